@@ -1,0 +1,162 @@
+"""Task runner for the ragged-fsdp monorepo.
+
+`nox` runs the default sessions (what CI runs); `nox -l` lists every session with its docstring.
+We use nox's default pip-based virtualenvs on purpose: pip finds the torch wheels stored on
+these machines, uv does not and would download multi-GB CUDA builds.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import tempfile
+
+import nox
+
+nox.needs_version = ">=2024.3.2"
+nox.options.default_venv_backend = "virtualenv"
+nox.options.reuse_venv = "yes"
+nox.options.error_on_missing_interpreters = True
+
+ROOT = pathlib.Path(__file__).parent
+# Bottom-up in the dependency order of DESIGN.md; installs and type checks follow it.
+PACKAGES = {
+    "shard-planner": "shard_planner",
+    "ragged-placement": "ragged_placement",
+    "dbuffer": "dbuffer",
+    "fsdp-engine": "fsdp_engine",
+    "optimizers": "ragged_optimizers",
+}
+TORCH_VERSIONS = ["2.13.0", "2.14.1"]
+TORCH_DEFAULT = "2.13.0"
+TORCH_GPU = "2.14.1"  # the CUDA build
+TEST_DEPS = ["pytest>=8", "hypothesis>=6.100"]
+
+nox.options.sessions = ["lint", "typecheck", "planner", "build", "tests"]
+
+
+def _install_members(session: nox.Session, torch_version: str | None) -> None:
+    # One pip call: pip satisfies the sibling version ranges from the local editables.
+    args = [f"torch=={torch_version}"] if torch_version else []
+    for folder in PACKAGES:
+        args += ["-e", str(ROOT / "packages" / folder)]
+    session.install(*args, *TEST_DEPS)
+
+
+@nox.session
+@nox.parametrize("torch", TORCH_VERSIONS, ids=TORCH_VERSIONS)
+def tests(session: nox.Session, torch: str) -> None:
+    """Run every CPU test of every package against one torch version (2.13.0 and 2.14.1).
+
+    Pass pytest arguments after `--`, e.g. `nox -s tests-2.13.0 -- packages/shard-planner -x`.
+    """
+    _install_members(session, torch)
+    session.run("pytest", "-m", "not gpu", *(session.posargs or ["tests", "packages"]))
+
+
+@nox.session
+def planner(session: nox.Session) -> None:
+    """Test shard-planner alone in a venv WITHOUT torch (it must stay pure Python)."""
+    session.install("-e", "packages/shard-planner", *TEST_DEPS)
+    session.run(
+        "python",
+        "-c",
+        "import importlib.util, sys; "
+        "sys.exit('torch is installed in the planner venv' "
+        "if importlib.util.find_spec('torch') else 0)",
+    )
+    session.run("pytest", "packages/shard-planner/tests", *session.posargs)
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """Run mypy --strict on each package's src/, one package at a time, against torch 2.13.0."""
+    _install_members(session, TORCH_DEFAULT)
+    session.install("mypy>=1.10")
+    for folder, module in PACKAGES.items():
+        session.run(
+            "mypy",
+            "--cache-dir",
+            str(ROOT / ".mypy_cache" / module),
+            str(ROOT / "packages" / folder / "src"),
+        )
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """Run ruff (lint rules and formatting check) over the whole tree."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Build each package's wheel and sdist, then install each wheel alone in a fresh venv.
+
+    Sibling dependencies resolve only from the freshly built wheels (no index), so this proves
+    that every package's published metadata is complete. torch-dependent packages get the CPU
+    torch 2.13.0 first.
+    """
+    session.install("build>=1.2")
+    dist = ROOT / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    for folder in PACKAGES:
+        session.run("python", "-m", "build", "--outdir", str(dist), f"packages/{folder}")
+    for folder, module in PACKAGES.items():
+        wheels = sorted(dist.glob(f"{module}-*.whl"))
+        if len(wheels) != 1:
+            session.error(f"expected one wheel for {module} in {dist}, found {wheels}")
+        with tempfile.TemporaryDirectory() as tmp:
+            venv = pathlib.Path(tmp) / "venv"
+            session.run("python", "-m", "venv", str(venv))
+            python = str(venv / "bin" / "python")
+            pip = [python, "-m", "pip", "install", "-q"]
+            if module != "shard_planner":
+                session.run(*pip, f"torch=={TORCH_DEFAULT}", external=True)
+            session.run(*pip, "--no-index", "--find-links", str(dist), str(wheels[0]), external=True)
+            check = f"import {module}; print({module}.__name__, {module}.__version__)"
+            if module == "shard_planner":
+                check += "; import sys; assert 'torch' not in sys.modules"
+                check += "; assert shard_planner.load_preset('llama3-8b').groups"
+            session.run(python, "-c", check, external=True)
+
+
+@nox.session(default=False)
+def gpu(session: nox.Session) -> None:
+    """Run the `gpu`-marked tests on a CUDA machine (torch 2.14.1); skips cleanly without CUDA."""
+    if shutil.which("nvidia-smi") is None and not os.path.exists("/dev/nvidiactl"):
+        session.skip("no CUDA device on this machine")
+    _install_members(session, TORCH_GPU)
+    session.run("pytest", "-m", "gpu", *(session.posargs or ["tests", "packages"]))
+
+
+@nox.session(default=False)
+def demo(session: nox.Session) -> None:
+    """The main job: plan real model presets and compare padding with FSDP2 and flat sharding."""
+    session.install("-e", "packages/shard-planner")
+    args = session.posargs or []
+    for preset in ("llama3-8b", "deepseek-v3-671b", "gpt-oss-120b"):
+        session.run(
+            "shard-planner",
+            "compare",
+            "--preset",
+            preset,
+            "--world-sizes",
+            "8,64,1024,3072,8192",
+            "--block-rows",
+            "1,32",
+            *args,
+        )
+
+
+@nox.session(default=False)
+def bench(session: nox.Session) -> None:
+    """Run a benchmark script: `nox -s bench -- planner` (speed and quality of the planner)."""
+    which = session.posargs[0] if session.posargs else "planner"
+    if which == "planner":
+        session.install("-e", "packages/shard-planner")
+        session.run("python", "packages/shard-planner/benchmarks/bench_planner.py", *session.posargs[1:])
+    else:
+        session.error(f"unknown benchmark {which!r}; valid: planner")

@@ -1,0 +1,10 @@
+"""DBuffer: a group of tensors in one planned buffer with zero-copy collectives.
+
+This package is an importable skeleton: its API arrives with the issue that builds it
+(issue 4). It exports nothing but its version until then, so that nothing downstream can
+depend on a placeholder.
+"""
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__"]

@@ -1,0 +1,39 @@
+"""shard_planner: structure-aware layout planning for sharded communication buffers.
+
+Pure Python, no dependencies: give it the tensors of one group (element counts and the block
+size that must never be cut) and a world size, and it returns where each tensor lives in one
+evenly sharded buffer, with as little padding as it can find. See `plan_layout`.
+
+Example:
+    >>> from shard_planner import TensorSpec, plan_layout
+    >>> specs = [TensorSpec.from_shape("w1", (1009, 64), block_rows=32),
+    ...          TensorSpec.from_shape("b1", (64,))]
+    >>> layout = plan_layout(specs, world_size=4)
+    >>> layout.local_units("w1")
+    (8, 8, 8, 7)
+"""
+
+from shard_planner._baselines import flat_padding, fsdp2_padding
+from shard_planner._bounds import lower_bound
+from shard_planner._layout import Layout, LayoutError
+from shard_planner._plan import ORDERS, plan_layout
+from shard_planner._presets import GroupSpec, ModelPreset, load_preset, preset_names
+from shard_planner._spec import TensorSpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ORDERS",
+    "GroupSpec",
+    "Layout",
+    "LayoutError",
+    "ModelPreset",
+    "TensorSpec",
+    "__version__",
+    "flat_padding",
+    "fsdp2_padding",
+    "load_preset",
+    "lower_bound",
+    "plan_layout",
+    "preset_names",
+]

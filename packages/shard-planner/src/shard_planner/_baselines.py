@@ -1,0 +1,55 @@
+"""Padding of the two classic sharding schemes, computed exactly from shapes.
+
+These are the baselines the planner is compared with (`shard-planner compare`):
+- FSDP2 (`fully_shard`): every parameter is its own `Shard(0)` DTensor, cut like
+  `torch.chunk` on dim 0, and each rank's piece is padded to ceil(dim0 / m) rows, so a
+  parameter costs m * ceil(dim0 / m) rows in the all-gather buffer. Blocks are ignored.
+- FSDP1 / ZeRO flat sharding: the group is concatenated into one flat buffer padded to an equal
+  (aligned) chunk per rank. It pads least but cuts blocks and rows anywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from shard_planner._bounds import ceil_to
+from shard_planner._spec import TensorSpec, check_count
+
+
+def fsdp2_padding(specs: Sequence[TensorSpec], world_size: int) -> int:
+    """Padding elements FSDP2's per-parameter `Shard(0)` adds to one group.
+
+    Args:
+        specs: The group's tensors; each must carry its `shape` (see `TensorSpec.from_shape`).
+        world_size: Number of ranks, >= 1.
+
+    Returns:
+        sum over tensors of m * ceil(dim0 / m) * row - numel (0-D tensors count as one row).
+
+    Example:
+        >>> fsdp2_padding([TensorSpec.from_shape("w", (10, 4))], world_size=4)
+        8
+    """
+    check_count("world_size", world_size, 1)
+    padding = 0
+    for spec in specs:
+        if spec.shape is None:
+            raise ValueError(f"fsdp2_padding needs the shape of tensor {spec.name!r}")
+        rows = spec.shape[0] if spec.shape else 1
+        row = math.prod(spec.shape[1:])
+        padding += world_size * -(-rows // world_size) * row - spec.numel
+    return padding
+
+
+def flat_padding(specs: Sequence[TensorSpec], world_size: int, *, align: int = 1) -> int:
+    """Padding elements of FSDP1-style flat sharding: one buffer, equal aligned chunks.
+
+    Example:
+        >>> flat_padding([TensorSpec("a", 10), TensorSpec("b", 3)], world_size=4)
+        3
+    """
+    check_count("world_size", world_size, 1)
+    check_count("align", align, 1)
+    total = sum(s.numel for s in specs)
+    return world_size * ceil_to(-(-total // world_size), align) - total

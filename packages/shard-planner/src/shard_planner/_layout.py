@@ -1,0 +1,265 @@
+"""Layout: the planner's answer, a frozen value that every consumer can query and re-check.
+
+Coordinates: the group lives in one global buffer of `world_size * shard_size` elements; rank
+k owns `[k * shard_size, (k + 1) * shard_size)`. Tensor t occupies `[offsets[t], offsets[t] +
+numel)`. Padding sits only between tensors and after the last one.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from types import MappingProxyType
+from typing import Any
+
+from shard_planner._bounds import lower_bound
+from shard_planner._spec import TensorSpec, check_count
+
+_JSON_VERSION = 1
+
+
+class LayoutError(ValueError):
+    """A layout breaks one of the three constraints (raised by `Layout.validate`)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each tensor of a group lives in one evenly sharded buffer.
+
+    Attributes:
+        world_size: Number of ranks m sharing the buffer.
+        shard_size: Elements per rank, S (a multiple of `align`).
+        tensors: The group's tensors in the caller's order.
+        starts: Global start offset of each tensor, aligned with `tensors`.
+        align: Alignment of S in elements.
+
+    Example:
+        >>> from shard_planner import TensorSpec, plan_layout
+        >>> layout = plan_layout([TensorSpec("a", 6, block=2), TensorSpec("b", 4)], world_size=2)
+        >>> layout.shard_size, layout.local_units("a")
+        (6, (3, 0))
+    """
+
+    world_size: int
+    shard_size: int
+    tensors: tuple[TensorSpec, ...]
+    starts: tuple[int, ...]
+    align: int = 1
+    _index: Mapping[str, int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        check_count("world_size", self.world_size, 1)
+        check_count("shard_size", self.shard_size, 0)
+        check_count("align", self.align, 1)
+        object.__setattr__(self, "tensors", tuple(self.tensors))
+        object.__setattr__(self, "starts", tuple(self.starts))
+        if len(self.tensors) != len(self.starts):
+            raise ValueError(
+                f"Layout has {len(self.tensors)} tensors but {len(self.starts)} starts"
+            )
+        for spec, start in zip(self.tensors, self.starts, strict=True):
+            check_count(f"offset of tensor {spec.name!r}", start, 0)
+        index = {spec.name: i for i, spec in enumerate(self.tensors)}
+        if len(index) != len(self.tensors):
+            names = [spec.name for spec in self.tensors]
+            dupes = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"Layout tensor names must be unique, duplicated: {dupes}")
+        object.__setattr__(self, "_index", MappingProxyType(index))
+
+    # -- sizes ------------------------------------------------------------------------------
+
+    @property
+    def total_numel(self) -> int:
+        """Sum of the tensors' element counts."""
+        return sum(spec.numel for spec in self.tensors)
+
+    @property
+    def buffer_numel(self) -> int:
+        """Elements of the global buffer, `world_size * shard_size`."""
+        return self.world_size * self.shard_size
+
+    @property
+    def padding(self) -> int:
+        """Padding elements in the global buffer: m * S - sum(numel)."""
+        return self.buffer_numel - self.total_numel
+
+    @property
+    def padding_ratio(self) -> float:
+        """Padding as a fraction of the tensors' elements (0.0 for an empty group)."""
+        total = self.total_numel
+        return self.padding / total if total else 0.0
+
+    @cached_property
+    def lower_bound(self) -> int:
+        """The smallest shard size any valid layout of these tensors could have.
+
+        See `shard_planner.lower_bound` for the definition.
+        """
+        return lower_bound(self.tensors, self.world_size, align=self.align)
+
+    # -- per tensor -------------------------------------------------------------------------
+
+    @cached_property
+    def offsets(self) -> Mapping[str, int]:
+        """Global start offset of every tensor, by name (read-only)."""
+        return MappingProxyType({s.name: o for s, o in zip(self.tensors, self.starts, strict=True)})
+
+    def spec(self, name: str) -> TensorSpec:
+        """Returns the TensorSpec named `name`; raises KeyError listing valid names if absent."""
+        try:
+            return self.tensors[self._index[name]]
+        except KeyError:
+            valid = ", ".join(sorted(self._index)[:8])
+            more = "" if len(self._index) <= 8 else f", ... ({len(self._index)} in all)"
+            raise KeyError(f"no tensor named {name!r} in this layout; valid: {valid}{more}") from None
+
+    def unit(self, name: str) -> int:
+        """Elements per RaggedShard unit of tensor `name`: gcd(block, numel)."""
+        return self.spec(name).unit
+
+    def local_range(self, name: str, rank: int) -> tuple[int, int]:
+        """The piece of tensor `name` on `rank`, in that rank's local coordinates [0, S).
+
+        Returns (0, 0) when the rank holds none of it.
+        """
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ValueError(f"rank must be an int in [0, {self.world_size}), got {rank!r}")
+        spec = self.spec(name)
+        start = self.offsets[name]
+        base = rank * self.shard_size
+        lo = max(start, base)
+        hi = min(start + spec.numel, base + self.shard_size)
+        return (lo - base, hi - base) if lo < hi else (0, 0)
+
+    def local_units(self, name: str) -> tuple[int, ...]:
+        """Units of tensor `name` in each rank's range; usable as RaggedShard local_units.
+
+        Example:
+            >>> from shard_planner import TensorSpec, plan_layout
+            >>> plan_layout([TensorSpec("w", 8, block=2)], world_size=4).local_units("w")
+            (1, 1, 1, 1)
+        """
+        spec = self.spec(name)
+        unit, start, size = spec.unit, self.offsets[name], self.shard_size
+        units = [0] * self.world_size
+        if spec.numel == 0:
+            return tuple(units)
+        end = start + spec.numel
+        for rank in range(start // size, (end - 1) // size + 1):
+            piece = min(end, (rank + 1) * size) - max(start, rank * size)
+            units[rank] = piece // unit
+        return tuple(units)
+
+    # -- checks -----------------------------------------------------------------------------
+
+    def validate(self) -> None:
+        """Re-checks every constraint; raises LayoutError naming the tensor and boundary.
+
+        1. non-sharded block: each boundary k*S strictly inside a tensor is a block boundary;
+        2. contiguous tensor memory: tensors are disjoint intervals inside the buffer;
+        3. balanced load: S is a multiple of align and large enough for every tensor.
+        """
+        size, m = self.shard_size, self.world_size
+        if m < 1 or self.align < 1 or size < 0:
+            raise LayoutError(
+                f"world_size and align must be >= 1 and shard_size >= 0, got "
+                f"world_size={m}, align={self.align}, shard_size={size}"
+            )
+        if size % self.align:
+            raise LayoutError(f"shard_size {size} is not a multiple of align {self.align}")
+        if size == 0 and self.total_numel:
+            raise LayoutError("shard_size is 0 but the tensors hold elements")
+        order = sorted(range(len(self.tensors)), key=lambda i: (self.starts[i], i))
+        prev_end, prev_name = 0, None
+        for i in order:
+            spec, start = self.tensors[i], self.starts[i]
+            end = start + spec.numel
+            if start < 0 or end > m * size:
+                raise LayoutError(
+                    f"tensor {spec.name!r} at [{start}, {end}) is outside the buffer "
+                    f"[0, {m * size})"
+                )
+            if spec.numel and start < prev_end:
+                raise LayoutError(
+                    f"tensor {spec.name!r} at [{start}, {end}) overlaps {prev_name!r} "
+                    f"which ends at {prev_end}"
+                )
+            if spec.numel:
+                prev_end, prev_name = end, spec.name
+                self._check_blocks(spec, start, end)
+
+    def _check_blocks(self, spec: TensorSpec, start: int, end: int) -> None:
+        size, atom = self.shard_size, spec.atom
+        first = start // size + 1  # first boundary strictly after start
+        last = (end - 1) // size  # last boundary strictly before end
+        for k in (first, first + 1) if last > first else (first,):
+            boundary = k * size
+            if boundary < end and (boundary - start) % atom:
+                raise LayoutError(
+                    f"rank boundary {boundary} (rank {k}) cuts a block of tensor "
+                    f"{spec.name!r} at [{start}, {end}) with block {spec.block}: offset "
+                    f"{boundary - start} is not a multiple of {atom}"
+                )
+        # Boundaries are S apart, so after the first two every one is aligned iff these were.
+
+    # -- serialisation ----------------------------------------------------------------------
+
+    def to_json(self) -> str:
+        """Serialises the layout to a JSON string (see `Layout.from_json`)."""
+        return json.dumps(
+            {
+                "version": _JSON_VERSION,
+                "world_size": self.world_size,
+                "shard_size": self.shard_size,
+                "align": self.align,
+                "tensors": [
+                    {
+                        "name": s.name,
+                        "numel": s.numel,
+                        "block": s.block,
+                        "offset": o,
+                        **({"shape": list(s.shape)} if s.shape is not None else {}),
+                    }
+                    for s, o in zip(self.tensors, self.starts, strict=True)
+                ],
+            },
+            indent=1,
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Layout:
+        """Parses a layout written by `to_json` and validates it.
+
+        Raises:
+            ValueError: the text is not valid layout JSON, or the layout breaks a constraint.
+        """
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"layout JSON does not parse: {exc}") from None
+        if not isinstance(data, dict) or data.get("version") != _JSON_VERSION:
+            raise ValueError(f"layout JSON must be an object with version {_JSON_VERSION}")
+        try:
+            entries: list[dict[str, Any]] = data["tensors"]
+            tensors = tuple(
+                TensorSpec(
+                    e["name"],
+                    e["numel"],
+                    e["block"],
+                    shape=tuple(e["shape"]) if "shape" in e else None,
+                )
+                for e in entries
+            )
+            layout = cls(
+                world_size=data["world_size"],
+                shard_size=data["shard_size"],
+                tensors=tensors,
+                starts=tuple(e["offset"] for e in entries),
+                align=data["align"],
+            )
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"layout JSON is missing or mistypes a field: {exc!r}") from None
+        layout.validate()
+        return layout

@@ -1,0 +1,176 @@
+"""Model presets and group files: tensor shapes grouped the way FSDP wraps a model.
+
+A group file is JSON. Either a model document, as shipped in `presets/`::
+
+    {"name": "...", "config": {...}, "groups": [
+        {"name": "embed", "tensors": [{"name": "model.embed_tokens.weight", "shape": [V, H]}]},
+        {"name": "model.layers.{i}", "indices": [0, 32], "tensors": [...]}]}
+
+where a group with `indices` [start, stop) stands for one group per layer i (its tensor names
+get the prefix "<group name>."), or a single group ``{"tensors": [...]}``. A tensor is either
+``{"name", "shape", "num_shard_dims"?}`` (its block is `block_rows` rows, see
+`TensorSpec.from_shape`) or ``{"name", "numel", "block"?}`` (a fixed block in elements).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any, NamedTuple
+
+from shard_planner._spec import TensorSpec
+
+
+class _Entry(NamedTuple):
+    name: str
+    shape: tuple[int, ...] | None
+    numel: int
+    block: int
+    num_shard_dims: int
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One FSDP group of a model: named tensors whose block depends on `block_rows`.
+
+    Example:
+        >>> group = load_preset("llama3-8b").groups[1]
+        >>> group.name, group.specs(block_rows=32)[0].block
+        ('model.layers.0', 131072)
+    """
+
+    name: str
+    entries: tuple[_Entry, ...]
+
+    def specs(self, block_rows: int = 1) -> tuple[TensorSpec, ...]:
+        """TensorSpecs with blocks of `block_rows` rows (fixed-block entries keep theirs)."""
+        return tuple(
+            TensorSpec.from_shape(e.name, e.shape, block_rows, num_shard_dims=e.num_shard_dims)
+            if e.shape is not None
+            else TensorSpec(e.name, e.numel, e.block)
+            for e in self.entries
+        )
+
+    @property
+    def numel(self) -> int:
+        """Elements in the group."""
+        return sum(e.numel for e in self.entries)
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """A model's FSDP groups, in wrapping order (embedding, blocks, final norm + head)."""
+
+    name: str
+    source: str
+    config: Mapping[str, Any]
+    groups: tuple[GroupSpec, ...]
+
+    @property
+    def numel(self) -> int:
+        """Parameters in the model."""
+        return sum(g.numel for g in self.groups)
+
+
+def preset_names() -> tuple[str, ...]:
+    """Names of the presets shipped with the package, e.g. "llama3-8b"."""
+    folder = resources.files("shard_planner") / "presets"
+    return tuple(sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".json")))
+
+
+def load_preset(name: str) -> ModelPreset:
+    """Loads a shipped model preset.
+
+    Args:
+        name: One of `preset_names()`.
+
+    Returns:
+        The preset, with one GroupSpec per FSDP group.
+
+    Raises:
+        ValueError: `name` is not a shipped preset (the message lists the valid ones).
+
+    Example:
+        >>> preset = load_preset("deepseek-v3-671b")
+        >>> len(preset.groups), round(preset.numel / 1e9)
+        (63, 671)
+    """
+    names = preset_names()
+    if name not in names:
+        raise ValueError(f"unknown preset {name!r}; valid: {', '.join(names)}")
+    text = (resources.files("shard_planner") / "presets" / f"{name}.json").read_text()
+    return parse_model(text, origin=f"preset {name}")
+
+
+def parse_model(text: str, *, origin: str = "group file") -> ModelPreset:
+    """Parses a model document or a single-group document (see the module docstring).
+
+    Raises:
+        ValueError: the text is not valid JSON or does not describe tensors correctly.
+    """
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{origin}: not valid JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{origin}: expected a JSON object, got {type(doc).__name__}")
+    if "groups" in doc:
+        raw_groups = doc["groups"]
+    elif "tensors" in doc:
+        raw_groups = [{"name": doc.get("name", "group"), "tensors": doc["tensors"]}]
+    else:
+        raise ValueError(f"{origin}: expected a 'groups' or a 'tensors' key")
+    if not isinstance(raw_groups, list) or not raw_groups:
+        raise ValueError(f"{origin}: 'groups' must be a non-empty list")
+    groups: list[GroupSpec] = []
+    for raw in raw_groups:
+        groups += _parse_group(raw, origin)
+    config = doc.get("config", {})
+    return ModelPreset(str(doc.get("name", origin)), str(doc.get("source", "")), config, tuple(groups))
+
+
+def _parse_group(raw: Any, origin: str) -> list[GroupSpec]:
+    if not isinstance(raw, dict) or not isinstance(raw.get("tensors"), list):
+        raise ValueError(f"{origin}: each group must be an object with a 'tensors' list")
+    name = raw.get("name", "group")
+    entries = tuple(_parse_entry(t, f"{origin}, group {name!r}") for t in raw["tensors"])
+    if "indices" not in raw:
+        return [GroupSpec(str(name), entries)]
+    indices = raw["indices"]
+    if (
+        not isinstance(indices, list)
+        or len(indices) != 2
+        or not all(isinstance(i, int) and not isinstance(i, bool) for i in indices)
+        or not 0 <= indices[0] < indices[1]
+    ):
+        raise ValueError(f"{origin}, group {name!r}: 'indices' must be [start, stop), 0 <= start < stop")
+    if "{i}" not in str(name):
+        raise ValueError(f"{origin}, group {name!r}: a group with 'indices' needs '{{i}}' in its name")
+    groups = []
+    for i in range(*indices):
+        prefix = str(name).replace("{i}", str(i))
+        groups.append(GroupSpec(prefix, tuple(e._replace(name=f"{prefix}.{e.name}") for e in entries)))
+    return groups
+
+
+def _parse_entry(raw: Any, where: str) -> _Entry:
+    if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
+        raise ValueError(f"{where}: each tensor must be an object with a 'name' string, got {raw!r}")
+    name = raw["name"]
+    try:
+        if "shape" in raw:
+            shape = raw["shape"]
+            if not isinstance(shape, list):
+                raise ValueError(f"shape must be a list of ints, got {shape!r}")
+            dims = raw.get("num_shard_dims", 1)
+            spec = TensorSpec.from_shape(name, shape, num_shard_dims=dims)
+            return _Entry(name, spec.shape, spec.numel, 1, dims)
+        if "numel" in raw:
+            spec = TensorSpec(name, raw["numel"], raw.get("block", 1))
+            return _Entry(name, None, spec.numel, spec.block, 1)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{where}, tensor {name!r}: {exc}") from None
+    raise ValueError(f"{where}, tensor {name!r}: needs 'shape' or 'numel'")
+
