@@ -10,7 +10,7 @@ Example:
     ...          TensorSpec.from_shape("b1", (64,))]
     >>> layout = plan_layout(specs, world_size=4)
     >>> layout.local_units("w1")
-    (8, 8, 8, 7)
+    (256, 256, 256, 241)
 """
 
 from shard_planner._baselines import flat_padding, fsdp2_padding

@@ -86,6 +86,8 @@ class TensorSpec:
             131072
         """
         shape = tuple(shape)
+        for size in shape:
+            check_count(f"TensorSpec({name!r}).shape entry", size, 0)
         check_count(f"block_rows of {name!r}", block_rows, 1)
         check_count(f"num_shard_dims of {name!r}", num_shard_dims, 1)
         if num_shard_dims > max(len(shape), 1):

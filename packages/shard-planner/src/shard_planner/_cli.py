@@ -1,0 +1,188 @@
+"""The `shard-planner` command line: plan, compare and show layouts.
+
+Every user error (unknown preset, world size < 1, bad JSON, ...) exits with status 2 and one
+line on stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from shard_planner._layout import Layout
+from shard_planner._plan import ORDERS, plan_layout
+from shard_planner._presets import GroupSpec, ModelPreset, load_preset, parse_model, preset_names
+from shard_planner._report import compare_case, describe_layout, draw_layout, format_table, plot_cases
+
+
+class UsageError(Exception):
+    """A user error reported as one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # argparse prints the whole usage block; one line is what scripts and people need.
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_list(text: str) -> list[int]:
+    items = [item for item in text.split(",") if item.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {text!r}")
+    return [_positive(item) for item in items]
+
+
+def _load_model(args: argparse.Namespace) -> ModelPreset:
+    if getattr(args, "preset", None):
+        return load_preset(args.preset)
+    if not args.file:
+        raise UsageError("give a group file or --preset NAME")
+    path = pathlib.Path(args.file)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror}") from None
+    return parse_model(text, origin=str(path))
+
+
+def _select_group(model: ModelPreset, name: str | None) -> GroupSpec:
+    if name is None:
+        return model.groups[0]
+    for group in model.groups:
+        if group.name == name:
+            return group
+    names = [g.name for g in model.groups]
+    shown = ", ".join(names[:6]) + (f", ... ({len(names)} groups)" if len(names) > 6 else "")
+    raise UsageError(f"no group named {name!r}; valid: {shown}")
+
+
+def _cmd_plan(args: argparse.Namespace) -> None:
+    model = _load_model(args)
+    groups = [_select_group(model, args.group)] if args.group else list(model.groups)
+    layouts = {
+        g.name: plan_layout(g.specs(args.block_rows), args.world_size, align=args.align, order=args.order)
+        for g in groups
+    }
+    if args.out:
+        if len(layouts) == 1:
+            text = next(iter(layouts.values())).to_json()
+        else:
+            text = json.dumps({name: json.loads(l.to_json()) for name, l in layouts.items()}, indent=1)
+        pathlib.Path(args.out).write_text(text + "\n")
+        print(f"wrote {len(layouts)} layout(s) to {args.out}")
+        return
+    for name, layout in layouts.items():
+        ratio = layout.shard_size / layout.lower_bound if layout.lower_bound else 1.0
+        print(
+            f"{name}: {len(layout.tensors)} tensors, {layout.total_numel} elements, "
+            f"shard_size={layout.shard_size} (lower bound {layout.lower_bound}, x{ratio:.4f}), "
+            f"padding={layout.padding} ({100 * layout.padding_ratio:.3f}%)"
+        )
+
+
+def _cmd_compare(args: argparse.Namespace) -> None:
+    model = load_preset(args.preset)
+    cases = [
+        compare_case(model, world_size, rows, align=args.align)
+        for rows in args.block_rows
+        for world_size in args.world_sizes
+    ]
+    print(format_table(model, cases))
+    if args.plot:
+        plot_cases(model, cases, args.plot)
+        print(f"wrote {args.plot}")
+
+
+def _cmd_show(args: argparse.Namespace) -> None:
+    if args.layout:
+        try:
+            layout = Layout.from_json(pathlib.Path(args.layout).read_text())
+        except OSError as exc:
+            raise UsageError(f"cannot read {args.layout}: {exc.strerror}") from None
+        title = args.layout
+    else:
+        group = _select_group(_load_model(args), args.group)
+        layout = plan_layout(group.specs(args.block_rows), args.world_size, align=args.align)
+        title = f"{group.name}, {args.block_rows} rows per block, {args.world_size} ranks"
+    print(describe_layout(layout, max_ranks=args.max_ranks))
+    if args.out:
+        draw_layout(layout, args.out, title=title, max_ranks=args.max_ranks)
+        print(f"wrote {args.out}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="shard-planner",
+        description="Plan block-aware, evenly sharded buffer layouts for FSDP groups.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--block-rows", type=_positive, default=1, help="rows per block (default 1)")
+        p.add_argument("--align", type=_positive, default=1, help="shard size alignment, elements")
+
+    plan = sub.add_parser("plan", help="plan the groups of a JSON group file or preset")
+    plan.add_argument("file", nargs="?", help="group file (see shard_planner._presets)")
+    plan.add_argument("--preset", help=f"a shipped preset: {', '.join(preset_names())}")
+    plan.add_argument("--world-size", type=_positive, required=True)
+    plan.add_argument("--group", help="plan only this group")
+    plan.add_argument("--order", choices=ORDERS, default="auto")
+    plan.add_argument("--out", help="write layout JSON here instead of printing a summary")
+    common(plan)
+    plan.set_defaults(run=_cmd_plan)
+
+    compare = sub.add_parser("compare", help="padding of ours vs FSDP2 vs flat on a preset")
+    compare.add_argument("--preset", required=True, help=f"one of: {', '.join(preset_names())}")
+    compare.add_argument("--world-sizes", type=_positive_list, default=[8, 64, 256, 1024])
+    compare.add_argument("--block-rows", type=_positive_list, default=[1])
+    compare.add_argument("--align", type=_positive, default=1)
+    compare.add_argument("--plot", help="also draw the table into this PNG (needs matplotlib)")
+    compare.set_defaults(run=_cmd_compare)
+
+    show = sub.add_parser("show", help="render one group's layout per rank")
+    show.add_argument("file", nargs="?", help="group file (or use --preset / --layout)")
+    show.add_argument("--preset")
+    show.add_argument("--layout", help="a layout JSON written by `plan --out`")
+    show.add_argument("--group", help="group name (default: the first group)")
+    show.add_argument("--world-size", type=_positive, default=8)
+    show.add_argument("--max-ranks", type=_positive, default=16)
+    show.add_argument("--out", help="draw the layout into this PNG (needs matplotlib)")
+    common(show)
+    show.set_defaults(run=_cmd_show)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the CLI; returns the process exit status (0 ok, 2 user error).
+
+    Example:
+        $ shard-planner compare --preset llama3-8b --world-sizes 8,1024 --block-rows 1,32
+    """
+    args = _parser().parse_args(argv)  # argparse itself exits 2 with one line on bad flags
+    try:
+        args.run(args)
+    except (UsageError, ValueError, TypeError, KeyError, RuntimeError) as exc:
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"shard-planner: error: {message}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `shard-planner compare ... | head`
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

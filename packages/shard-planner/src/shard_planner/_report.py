@@ -1,0 +1,186 @@
+"""Comparisons and renderings used by the CLI: padding tables, per-rank maps, plots.
+
+Plots need matplotlib (the optional `plot` extra); everything else is plain text.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from shard_planner._baselines import flat_padding, fsdp2_padding
+from shard_planner._layout import Layout
+from shard_planner._plan import plan_layout
+from shard_planner._presets import ModelPreset
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    """Padding of one (world size, block rows) case over a whole model, in elements.
+
+    Attributes:
+        world_size: Ranks per group.
+        block_rows: Rows per block.
+        numel: Parameters in the model.
+        padding: Our padding, summed over the groups.
+        floor_padding: Padding if every group sat exactly at its lower bound.
+        fsdp2: FSDP2 per-parameter padding.
+        flat: FSDP1-style flat padding (cuts blocks; not a valid layout for block_rows > 1).
+        worst_bound_ratio: max over groups of S / lower_bound.
+        worst_group: The group with that ratio.
+        seconds: Wall time to plan every group.
+    """
+
+    world_size: int
+    block_rows: int
+    numel: int
+    padding: int
+    floor_padding: int
+    fsdp2: int
+    flat: int
+    worst_bound_ratio: float
+    worst_group: str
+    seconds: float
+
+
+def compare_case(preset: ModelPreset, world_size: int, block_rows: int, align: int = 1) -> CaseResult:
+    """Plans every group of `preset` and sums the padding of ours and the baselines.
+
+    Example:
+        >>> from shard_planner import load_preset
+        >>> case = compare_case(load_preset("llama3-8b"), world_size=64, block_rows=1)
+        >>> case.worst_bound_ratio
+        1.0
+    """
+    padding = floor = fsdp2 = flat = 0
+    worst, worst_group = 1.0, "-"
+    seconds = 0.0
+    for group in preset.groups:
+        specs = group.specs(block_rows)
+        start = time.perf_counter()
+        layout = plan_layout(specs, world_size, align=align)
+        seconds += time.perf_counter() - start
+        padding += layout.padding
+        floor += world_size * layout.lower_bound - layout.total_numel
+        fsdp2 += fsdp2_padding(specs, world_size)
+        flat += flat_padding(specs, world_size, align=align)
+        ratio = layout.shard_size / layout.lower_bound if layout.lower_bound else 1.0
+        if ratio > worst:
+            worst, worst_group = ratio, group.name
+    return CaseResult(
+        world_size, block_rows, preset.numel, padding, floor, fsdp2, flat, worst, worst_group, seconds
+    )
+
+
+def format_table(preset: ModelPreset, cases: Sequence[CaseResult]) -> str:
+    """Renders compare results as a fixed-width table (padding as % of the model)."""
+
+    def pct(value: int, total: int) -> str:
+        return f"{100 * value / total:9.3f}%"
+
+    head = (
+        f"{'world':>6} {'rows':>5} {'ours':>10} {'floor':>10} {'fsdp2':>10} {'flat':>10} "
+        f"{'S/bound':>8} {'plan s':>7}  worst group"
+    )
+    lines = [f"{preset.name}: {preset.numel / 1e9:.2f}B parameters in {len(preset.groups)} groups", head]
+    for c in cases:
+        lines.append(
+            f"{c.world_size:>6} {c.block_rows:>5} {pct(c.padding, c.numel)} "
+            f"{pct(c.floor_padding, c.numel)} {pct(c.fsdp2, c.numel)} {pct(c.flat, c.numel)} "
+            f"{c.worst_bound_ratio:>8.4f} {c.seconds:>7.3f}  {c.worst_group}"
+        )
+    lines.append(
+        "ours: our padding; floor: padding at every group's lower bound (no valid layout pads "
+        "less); fsdp2: per-parameter Shard(0); flat: FSDP1-style, cuts blocks"
+    )
+    return "\n".join(lines)
+
+
+def plot_cases(preset: ModelPreset, cases: Sequence[CaseResult], path: str) -> None:
+    """Draws padding vs world size, one line per (scheme, block rows), into `path` (PNG)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for rows in sorted({c.block_rows for c in cases}):
+        sub = sorted((c for c in cases if c.block_rows == rows), key=lambda c: c.world_size)
+        xs = [c.world_size for c in sub]
+        ax.plot(xs, [100 * c.padding / c.numel for c in sub], "o-", label=f"ours, {rows} rows")
+        if rows == min(c.block_rows for c in cases):
+            ax.plot(xs, [100 * c.fsdp2 / c.numel for c in sub], "s--", label="FSDP2 Shard(0)")
+            ax.plot(xs, [100 * c.flat / c.numel for c in sub], "^:", label="flat (cuts blocks)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("symlog", linthresh=1.0)
+    ax.set_xlabel("FSDP world size")
+    ax.set_ylabel("padding, % of parameters")
+    ax.set_title(f"{preset.name}: padding by sharding scheme")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def describe_layout(layout: Layout, *, max_ranks: int = 16) -> str:
+    """A per-rank text map of a layout: which tensors (and how many units) each rank holds."""
+    size = layout.shard_size
+    lines = [
+        f"world_size={layout.world_size} shard_size={size} align={layout.align} "
+        f"lower_bound={layout.lower_bound} padding={layout.padding} "
+        f"({100 * layout.padding_ratio:.3f}%)"
+    ]
+    order = sorted(layout.tensors, key=lambda s: layout.offsets[s.name])
+    for rank in range(min(layout.world_size, max_ranks)):
+        pieces = []
+        used = 0
+        for spec in order:
+            lo, hi = layout.local_range(spec.name, rank)
+            if hi > lo:
+                pieces.append(f"{spec.name}[{lo}:{hi}]x{(hi - lo) // spec.unit}u")
+                used += hi - lo
+        lines.append(f"rank {rank:>5}: pad {size - used:>10}  " + " ".join(pieces))
+    if layout.world_size > max_ranks:
+        lines.append(f"... {layout.world_size - max_ranks} more ranks")
+    return "\n".join(lines)
+
+
+def draw_layout(layout: Layout, path: str, *, title: str = "", max_ranks: int = 64) -> None:
+    """Draws one bar per rank: tensors' pieces in colour, padding hatched, blocks ticked."""
+    plt = _pyplot()
+    num_ranks = min(layout.world_size, max_ranks)
+    size = layout.shard_size or 1
+    fig, ax = plt.subplots(figsize=(11, 0.9 + 0.32 * num_ranks))
+    cmap = plt.get_cmap("tab20")
+    order = sorted(layout.tensors, key=lambda s: layout.offsets[s.name])
+    colors = {spec.name: cmap(i % 20) for i, spec in enumerate(order)}
+    for rank in range(num_ranks):
+        y = num_ranks - 1 - rank
+        ax.barh(y, size, left=0, height=0.8, color="white", edgecolor="grey", hatch="//")
+        for spec in order:
+            lo, hi = layout.local_range(spec.name, rank)
+            if hi <= lo:
+                continue
+            ax.barh(y, hi - lo, left=lo, height=0.8, color=colors[spec.name], edgecolor="black", lw=0.3)
+            if (hi - lo) / size > 0.06:
+                label = ".".join(spec.name.split(".")[-2:])
+                ax.text((lo + hi) / 2, y, label, ha="center", va="center", fontsize=6)
+    ax.set_yticks(range(num_ranks), [f"rank {r}" for r in reversed(range(num_ranks))], fontsize=7)
+    ax.set_xlim(0, size)
+    ax.set_xlabel("element offset within the rank's shard (hatched: padding)")
+    ax.set_title(title or f"layout of {len(layout.tensors)} tensors on {layout.world_size} ranks")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeError(
+            "drawing needs matplotlib: pip install 'shard-planner[plot]'"
+        ) from None
+    return plt
