@@ -134,20 +134,26 @@ def gpu(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def demo(session: nox.Session) -> None:
-    """The main job: plan real model presets and compare padding with FSDP2 and flat sharding."""
-    session.install("-e", "packages/shard-planner")
-    args = session.posargs or []
-    for preset in ("llama3-8b", "deepseek-v3-671b", "gpt-oss-120b"):
+    """The main job: plan real model presets and compare padding with FSDP2 and flat sharding.
+
+    Prints one table per preset and draws each into build/demo/<preset>.png.
+    """
+    session.install("-e", "packages/shard-planner[plot]")
+    out = ROOT / "build" / "demo"
+    out.mkdir(parents=True, exist_ok=True)
+    for preset in ("llama3-8b", "deepseek-v3-671b", "gpt-oss-120b", "qwen3-30b-a3b"):
         session.run(
             "shard-planner",
             "compare",
             "--preset",
             preset,
             "--world-sizes",
-            "8,64,1024,3072,8192",
+            "8,64,256,1024,3072,8192",
             "--block-rows",
             "1,32",
-            *args,
+            "--plot",
+            str(out / f"{preset}.png"),
+            *session.posargs,
         )
 
 

@@ -1,0 +1,93 @@
+"""Planner benchmark: planning time and layout quality on real presets and synthetic groups.
+
+Run: `nox -s bench -- planner` (or `python benchmarks/bench_planner.py [--quick]`).
+
+Prints:
+1. Speed: one group of up to 1,000 tensors at W=10240 (the largest real group, DeepSeek-V3's
+   MoE layer with 782 tensors, and synthetic 1,000-tensor groups with mixed blocks), and a
+   whole DeepSeek-V3-671B preset at W=1024, every group planned (no caching). Targets: < 0.3 s
+   per group and < 2 s per preset, in pure Python.
+2. Quality on every preset for W in {8 ... 10240} and block_rows in {1, 16, 32}: worst
+   S / lower_bound over the groups, our padding, the lower bound's padding, FSDP2's padding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+from shard_planner import TensorSpec, load_preset, plan_layout, preset_names
+from shard_planner._report import compare_case, format_table
+
+WORLD_SIZES = (8, 64, 256, 1024, 3072, 8192, 10240)
+BLOCK_ROWS = (1, 16, 32)
+
+
+def _timed(fn, repeats: int) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), max(times)
+
+
+def _synthetic_group(seed: int, num_tensors: int = 1000) -> list[TensorSpec]:
+    rng = random.Random(seed)
+    specs = []
+    for i in range(num_tensors):
+        # Mixed, mostly coprime row lengths: many lcm grids, few early exits at the bound.
+        rows, cols = rng.randint(1, 5000), rng.randint(1, 5000)
+        specs.append(TensorSpec.from_shape(f"t{i}", (rows, cols), block_rows=rng.choice([1, 16, 32])))
+    return specs
+
+
+def speed(repeats: int) -> None:
+    print("== speed (seconds; median and max of repeats) ==")
+    moe = load_preset("deepseek-v3-671b").groups[10]
+    for rows in BLOCK_ROWS:
+        specs = moe.specs(rows)
+        med, worst = _timed(lambda specs=specs: plan_layout(specs, 10240), repeats)
+        print(f"deepseek-v3 MoE layer ({len(specs)} tensors), W=10240, rows={rows:>3}: "
+              f"median {med:.4f}  max {worst:.4f}  (target < 0.3)")
+    for world, align in ((10240, 1), (10240, 64), (1024, 8), (64, 1)):
+        meds, worsts = [], []
+        for seed in range(5):
+            specs = _synthetic_group(seed)
+            med, worst = _timed(
+                lambda specs=specs: plan_layout(specs, world, align=align), repeats
+            )
+            meds.append(med)
+            worsts.append(worst)
+        print(f"synthetic 1000 tensors x 5 seeds, W={world:>5}, align={align:>2}: "
+              f"median {statistics.median(meds):.4f}  max {max(worsts):.4f}  (target < 0.3)")
+    preset = load_preset("deepseek-v3-671b")
+    for rows in BLOCK_ROWS:
+        med, worst = _timed(
+            lambda rows=rows: [plan_layout(g.specs(rows), 1024) for g in preset.groups], repeats
+        )
+        print(f"deepseek-v3-671b whole preset ({len(preset.groups)} groups), W=1024, rows={rows:>3}: "
+              f"median {med:.3f}  max {worst:.3f}  (target < 2)")
+
+
+def quality(world_sizes: tuple[int, ...]) -> None:
+    print("\n== quality: padding in % of the model; S/bound is the worst group ==")
+    for name in preset_names():
+        preset = load_preset(name)
+        cases = [compare_case(preset, w, rows) for rows in BLOCK_ROWS for w in world_sizes]
+        print(format_table(preset, cases))
+        print()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats and world sizes")
+    args = parser.parse_args()
+    speed(repeats=2 if args.quick else 5)
+    quality((8, 1024, 10240) if args.quick else WORLD_SIZES)
+
+
+if __name__ == "__main__":
+    main()
