@@ -104,7 +104,7 @@ def build(session: nox.Session) -> None:
     shutil.rmtree(dist, ignore_errors=True)
     for folder in PACKAGES:
         session.run("python", "-m", "build", "--outdir", str(dist), f"packages/{folder}")
-    for folder, module in PACKAGES.items():
+    for module in PACKAGES.values():
         wheels = sorted(dist.glob(f"{module}-*.whl"))
         if len(wheels) != 1:
             session.error(f"expected one wheel for {module} in {dist}, found {wheels}")
@@ -115,7 +115,9 @@ def build(session: nox.Session) -> None:
             pip = [python, "-m", "pip", "install", "-q"]
             if module != "shard_planner":
                 session.run(*pip, f"torch=={TORCH_DEFAULT}", external=True)
-            session.run(*pip, "--no-index", "--find-links", str(dist), str(wheels[0]), external=True)
+            session.run(
+                *pip, "--no-index", "--find-links", str(dist), str(wheels[0]), external=True
+            )
             check = f"import {module}; print({module}.__name__, {module}.__version__)"
             if module == "shard_planner":
                 check += "; import sys; assert 'torch' not in sys.modules"
@@ -163,6 +165,8 @@ def bench(session: nox.Session) -> None:
     which = session.posargs[0] if session.posargs else "planner"
     if which == "planner":
         session.install("-e", "packages/shard-planner")
-        session.run("python", "packages/shard-planner/benchmarks/bench_planner.py", *session.posargs[1:])
+        session.run(
+            "python", "packages/shard-planner/benchmarks/bench_planner.py", *session.posargs[1:]
+        )
     else:
         session.error(f"unknown benchmark {which!r}; valid: planner")

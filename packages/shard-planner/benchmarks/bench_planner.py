@@ -40,7 +40,9 @@ def _synthetic_group(seed: int, num_tensors: int = 1000) -> list[TensorSpec]:
     for i in range(num_tensors):
         # Mixed, mostly coprime row lengths: many lcm grids, few early exits at the bound.
         rows, cols = rng.randint(1, 5000), rng.randint(1, 5000)
-        specs.append(TensorSpec.from_shape(f"t{i}", (rows, cols), block_rows=rng.choice([1, 16, 32])))
+        specs.append(
+            TensorSpec.from_shape(f"t{i}", (rows, cols), block_rows=rng.choice([1, 16, 32]))
+        )
     return specs
 
 
@@ -50,26 +52,35 @@ def speed(repeats: int) -> None:
     for rows in BLOCK_ROWS:
         specs = moe.specs(rows)
         med, worst = _timed(lambda specs=specs: plan_layout(specs, 10240), repeats)
-        print(f"deepseek-v3 MoE layer ({len(specs)} tensors), W=10240, rows={rows:>3}: "
-              f"median {med:.4f}  max {worst:.4f}  (target < 0.3)")
+        print(
+            f"deepseek-v3 MoE layer ({len(specs)} tensors), W=10240, rows={rows:>3}: "
+            f"median {med:.4f}  max {worst:.4f}  (target < 0.3)"
+        )
     for world, align in ((10240, 1), (10240, 64), (1024, 8), (64, 1)):
         meds, worsts = [], []
         for seed in range(5):
             specs = _synthetic_group(seed)
             med, worst = _timed(
-                lambda specs=specs: plan_layout(specs, world, align=align), repeats
+                lambda specs=specs, world=world, align=align: plan_layout(
+                    specs, world, align=align
+                ),
+                repeats,
             )
             meds.append(med)
             worsts.append(worst)
-        print(f"synthetic 1000 tensors x 5 seeds, W={world:>5}, align={align:>2}: "
-              f"median {statistics.median(meds):.4f}  max {max(worsts):.4f}  (target < 0.3)")
+        print(
+            f"synthetic 1000 tensors x 5 seeds, W={world:>5}, align={align:>2}: "
+            f"median {statistics.median(meds):.4f}  max {max(worsts):.4f}  (target < 0.3)"
+        )
     preset = load_preset("deepseek-v3-671b")
     for rows in BLOCK_ROWS:
         med, worst = _timed(
             lambda rows=rows: [plan_layout(g.specs(rows), 1024) for g in preset.groups], repeats
         )
-        print(f"deepseek-v3-671b whole preset ({len(preset.groups)} groups), W=1024, rows={rows:>3}: "
-              f"median {med:.3f}  max {worst:.3f}  (target < 2)")
+        print(
+            f"deepseek-v3-671b whole preset ({len(preset.groups)} groups), W=1024, rows={rows:>3}: "
+            f"median {med:.3f}  max {worst:.3f}  (target < 2)"
+        )
 
 
 def quality(world_sizes: tuple[int, ...]) -> None:

@@ -8,6 +8,7 @@ programming over subsets of tensors, scanning offsets one by one.
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Sequence
 
 from shard_planner import TensorSpec
@@ -24,13 +25,17 @@ def violations(
     if world_size * shard_size < total:
         problems.append(f"{world_size} x {shard_size} cannot hold {total} elements")
     intervals = sorted(
-        ((start, start + spec.numel, spec) for spec, start in zip(specs, starts) if spec.numel),
+        (
+            (start, start + spec.numel, spec)
+            for spec, start in zip(specs, starts, strict=True)
+            if spec.numel
+        ),
         key=lambda iv: (iv[0], iv[1]),
     )
-    for (s0, e0, a), (s1, _, b) in zip(intervals, intervals[1:]):
+    for (s0, e0, a), (s1, _, b) in itertools.pairwise(intervals):
         if s1 < e0:
             problems.append(f"{a.name} [{s0}, {e0}) overlaps {b.name} starting at {s1}")
-    for spec, start in zip(specs, starts):
+    for spec, start in zip(specs, starts, strict=True):
         if start < 0 or start + spec.numel > world_size * shard_size:
             problems.append(f"{spec.name} at {start} lies outside the buffer")
     begins = [iv[0] for iv in intervals]
@@ -43,7 +48,9 @@ def violations(
         if start < boundary < end:
             block = min(spec.block, spec.numel)
             if (boundary - start) % block:
-                problems.append(f"boundary {boundary} cuts a block of {spec.name} starting at {start}")
+                problems.append(
+                    f"boundary {boundary} cuts a block of {spec.name} starting at {start}"
+                )
     return problems
 
 

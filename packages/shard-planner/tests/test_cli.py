@@ -3,13 +3,25 @@ import subprocess
 import sys
 
 import pytest
-
 from shard_planner import Layout
 from shard_planner._cli import main
 
 
 def test_compare_prints_a_row_per_case(capsys) -> None:
-    assert main(["compare", "--preset", "gpt-oss-120b", "--world-sizes", "8,256", "--block-rows", "1,16"]) == 0
+    assert (
+        main(
+            [
+                "compare",
+                "--preset",
+                "gpt-oss-120b",
+                "--world-sizes",
+                "8,256",
+                "--block-rows",
+                "1,16",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.split() and line.split()[0].isdigit()]
     assert len(rows) == 4
@@ -20,8 +32,19 @@ def test_compare_prints_a_row_per_case(capsys) -> None:
 
 def test_plan_writes_layout_json_that_round_trips(tmp_path, capsys) -> None:
     out = tmp_path / "layout.json"
-    argv = ["plan", "--preset", "llama3-8b", "--group", "model.layers.0", "--world-size", "6",
-            "--block-rows", "32", "--out", str(out)]
+    argv = [
+        "plan",
+        "--preset",
+        "llama3-8b",
+        "--group",
+        "model.layers.0",
+        "--world-size",
+        "6",
+        "--block-rows",
+        "32",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     layout = Layout.from_json(out.read_text())
     assert layout.world_size == 6 and len(layout.tensors) == 9
@@ -31,8 +54,11 @@ def test_plan_writes_layout_json_that_round_trips(tmp_path, capsys) -> None:
 
 def test_plan_summary_from_a_group_file(tmp_path, capsys) -> None:
     path = tmp_path / "g.json"
-    path.write_text(json.dumps({"tensors": [{"name": "a", "numel": 100, "block": 10},
-                                            {"name": "b", "shape": [7, 3]}]}))
+    path.write_text(
+        json.dumps(
+            {"tensors": [{"name": "a", "numel": 100, "block": 10}, {"name": "b", "shape": [7, 3]}]}
+        )
+    )
     assert main(["plan", str(path), "--world-size", "4", "--block-rows", "2"]) == 0
     assert "2 tensors, 121 elements" in capsys.readouterr().out
 
@@ -42,7 +68,10 @@ def test_plan_summary_from_a_group_file(tmp_path, capsys) -> None:
     [
         (["compare", "--preset", "nope"], "unknown preset 'nope'"),
         (["plan", "--preset", "llama3-8b", "--world-size", "0"], "must be >= 1, got 0"),
-        (["plan", "--preset", "llama3-8b", "--world-size", "2", "--block-rows", "0"], "must be >= 1"),
+        (
+            ["plan", "--preset", "llama3-8b", "--world-size", "2", "--block-rows", "0"],
+            "must be >= 1",
+        ),
         (["plan", "/no/such/file.json", "--world-size", "2"], "cannot read /no/such/file.json"),
         (["show", "--preset", "llama3-8b", "--group", "nope"], "no group named 'nope'"),
         (["compare", "--preset", "llama3-8b", "--world-sizes", ","], "comma-separated list"),
@@ -63,7 +92,8 @@ def test_bad_json_file_is_one_line(tmp_path) -> None:
     path.write_text('{"tensors": [{"name": "a", "numel": -5}]}')
     result = subprocess.run(
         [sys.executable, "-m", "shard_planner._cli", "plan", str(path), "--world-size", "2"],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 2
     assert result.stderr.strip() == (

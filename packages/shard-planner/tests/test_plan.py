@@ -5,7 +5,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from planner_checker import exact_shard_size, violations
-
 from shard_planner import LayoutError, TensorSpec, lower_bound, plan_layout
 
 # -- random instances -------------------------------------------------------------------------
@@ -41,7 +40,7 @@ def test_every_plan_meets_all_constraints(instance, order) -> None:
         assert len(units) == world
         assert sum(units) * spec.unit == spec.numel
         pieces = [layout.local_range(spec.name, r) for r in range(world)] if world <= 64 else []
-        assert all(hi - lo == u * spec.unit for (lo, hi), u in zip(pieces, units))
+        assert all(hi - lo == u * spec.unit for (lo, hi), u in zip(pieces, units, strict=False))
 
 
 @settings(max_examples=300, deadline=None)
@@ -49,7 +48,7 @@ def test_every_plan_meets_all_constraints(instance, order) -> None:
 def test_validate_catches_a_moved_tensor(instance) -> None:
     specs, world, align = instance
     layout = plan_layout(specs, world, align=align)
-    for i, spec in enumerate(specs):
+    for i in range(len(specs)):
         starts = list(layout.starts)
         starts[i] += 1
         broken = type(layout)(world, layout.shard_size, layout.tensors, tuple(starts), align)
@@ -79,7 +78,9 @@ def test_element_granularity_pads_at_most_world_times_align(sizes, world, align)
 
 def _tiny_instance(rng: random.Random) -> tuple[list[TensorSpec], int, int]:
     n = rng.randint(1, 6)
-    specs = [TensorSpec(f"t{i}", rng.randint(1, 14), rng.choice([1, 2, 3, 4, 5, 6, 8])) for i in range(n)]
+    specs = [
+        TensorSpec(f"t{i}", rng.randint(1, 14), rng.choice([1, 2, 3, 4, 5, 6, 8])) for i in range(n)
+    ]
     return specs, rng.randint(1, 4), rng.choice([1, 1, 2, 3])
 
 
@@ -95,8 +96,10 @@ def test_quality_against_the_optimum_on_tiny_instances() -> None:
         assert optimum >= lower_bound(specs, world, align=align), "the bound must hold"
         ratios.append(ours / optimum)
     mean = sum(ratios) / len(ratios)
-    print(f"\nheuristic/optimum over {len(ratios)} instances: mean {mean:.4f}, max {max(ratios):.4f},"
-          f" optimal in {sum(r == 1 for r in ratios)}")
+    print(
+        f"\nheuristic/optimum over {len(ratios)} instances: mean {mean:.4f}, max {max(ratios):.4f},"
+        f" optimal in {sum(r == 1 for r in ratios)}"
+    )
     assert max(ratios) <= 2.0
     assert mean <= 1.05
 
@@ -105,7 +108,9 @@ def test_quality_against_the_optimum_on_tiny_instances() -> None:
 @given(st.randoms(use_true_random=False))
 def test_never_worse_than_twice_the_optimum(rng) -> None:
     specs, world, align = _tiny_instance(rng)
-    assert plan_layout(specs, world, align=align).shard_size <= 2 * exact_shard_size(specs, world, align)
+    assert plan_layout(specs, world, align=align).shard_size <= 2 * exact_shard_size(
+        specs, world, align
+    )
 
 
 # -- specific layouts --------------------------------------------------------------------------
@@ -161,8 +166,10 @@ def test_order_given_keeps_model_order() -> None:
 def test_auto_is_never_worse_than_any_single_order() -> None:
     rng = random.Random(7)
     for _ in range(200):
-        specs = [TensorSpec(f"t{i}", rng.randint(1, 5000), rng.choice([1, 7, 16, 96, 250]))
-                 for i in range(rng.randint(1, 20))]
+        specs = [
+            TensorSpec(f"t{i}", rng.randint(1, 5000), rng.choice([1, 7, 16, 96, 250]))
+            for i in range(rng.randint(1, 20))
+        ]
         world, align = rng.randint(1, 64), rng.choice([1, 4, 16])
         auto = plan_layout(specs, world, align=align).shard_size
         for order in ("given", "block", "size"):
@@ -190,5 +197,5 @@ def test_bad_arguments(kwargs, error, match) -> None:
 def test_bad_specs() -> None:
     with pytest.raises(TypeError, match="specs must hold TensorSpec"):
         plan_layout([("a", 4)], world_size=2)  # type: ignore[list-item]
-    with pytest.raises(ValueError, match="names must be unique.*'a'"):
+    with pytest.raises(ValueError, match=r"names must be unique.*'a'"):
         plan_layout([TensorSpec("a", 4), TensorSpec("a", 5)], world_size=2)

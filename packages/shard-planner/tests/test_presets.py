@@ -1,5 +1,4 @@
 import pytest
-
 from shard_planner import fsdp2_padding, load_preset, plan_layout, preset_names
 from shard_planner._presets import parse_model
 
@@ -52,7 +51,11 @@ def test_shard_size_within_five_percent_of_the_bound(name) -> None:
             for group in distinct.values():
                 specs = group.specs(block_rows)
                 layout = plan_layout(specs, world)
-                assert layout.shard_size <= 1.05 * layout.lower_bound, (group.name, world, block_rows)
+                assert layout.shard_size <= 1.05 * layout.lower_bound, (
+                    group.name,
+                    world,
+                    block_rows,
+                )
                 if block_rows == 1:
                     # Never more padding than FSDP2 or 0.5% of the group, unless the lower bound
                     # itself (no valid layout does better) forces it.

@@ -1,7 +1,6 @@
 import json
 
 import pytest
-
 from shard_planner import Layout, LayoutError, TensorSpec, plan_layout
 
 
@@ -119,7 +118,9 @@ def test_cut_block_is_reported_with_tensor_and_boundary() -> None:
 
 def test_layout_queries_reject_bad_names_and_ranks() -> None:
     layout = _layout()
-    with pytest.raises(KeyError, match="no tensor named 'missing' in this layout; valid: norm, odd, wq"):
+    with pytest.raises(
+        KeyError, match="no tensor named 'missing' in this layout; valid: norm, odd, wq"
+    ):
         layout.local_units("missing")
-    with pytest.raises(ValueError, match=r"rank must be an int in \[0, 3\), got 3"):
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 3\), got 3"):
         layout.local_range("wq", 3)

@@ -49,7 +49,11 @@ def llama3(name: str, source: str, cfg: dict[str, Any]) -> dict[str, Any]:
         t("post_attention_layernorm.weight", h),
     ]
     embed, final = ends(cfg)
-    layers = {"name": "model.layers.{i}", "indices": [0, cfg["num_hidden_layers"]], "tensors": layer}
+    layers = {
+        "name": "model.layers.{i}",
+        "indices": [0, cfg["num_hidden_layers"]],
+        "tensors": layer,
+    }
     return {"name": name, "source": source, "config": cfg, "groups": [embed, layers, final]}
 
 
@@ -95,7 +99,11 @@ def deepseek_v3() -> dict[str, Any]:
         ]
 
     moe_inter, num_experts = cfg["moe_intermediate_size"], cfg["n_routed_experts"]
-    moe = attn + [t("mlp.gate.weight", num_experts, h), t("mlp.gate.e_score_correction_bias", num_experts)]
+    moe = [
+        *attn,
+        t("mlp.gate.weight", num_experts, h),
+        t("mlp.gate.e_score_correction_bias", num_experts),
+    ]
     for e in range(num_experts):
         moe += mlp(f"mlp.experts.{e}", moe_inter)
     moe += mlp("mlp.shared_experts", moe_inter * cfg["n_shared_experts"])
@@ -103,8 +111,16 @@ def deepseek_v3() -> dict[str, Any]:
     embed, final = ends(cfg)
     groups = [
         embed,
-        {"name": "model.layers.{i}", "indices": [0, dense_layers], "tensors": attn + mlp("mlp", cfg["intermediate_size"])},
-        {"name": "model.layers.{i}", "indices": [dense_layers, cfg["num_hidden_layers"]], "tensors": moe},
+        {
+            "name": "model.layers.{i}",
+            "indices": [0, dense_layers],
+            "tensors": attn + mlp("mlp", cfg["intermediate_size"]),
+        },
+        {
+            "name": "model.layers.{i}",
+            "indices": [dense_layers, cfg["num_hidden_layers"]],
+            "tensors": moe,
+        },
         final,
     ]
     return {
@@ -152,7 +168,11 @@ def gpt_oss_120b() -> dict[str, Any]:
         t("mlp.experts.down_proj_bias", num_experts, h),
     ]
     embed, final = ends(cfg)
-    layers = {"name": "model.layers.{i}", "indices": [0, cfg["num_hidden_layers"]], "tensors": layer}
+    layers = {
+        "name": "model.layers.{i}",
+        "indices": [0, cfg["num_hidden_layers"]],
+        "tensors": layer,
+    }
     return {
         "name": "gpt-oss-120b",
         "source": "openai/gpt-oss-120b config.json (fused experts)",
@@ -193,7 +213,11 @@ def qwen3_30b_a3b() -> dict[str, Any]:
         ]
     layer += [t("input_layernorm.weight", h), t("post_attention_layernorm.weight", h)]
     embed, final = ends(cfg)
-    layers = {"name": "model.layers.{i}", "indices": [0, cfg["num_hidden_layers"]], "tensors": layer}
+    layers = {
+        "name": "model.layers.{i}",
+        "indices": [0, cfg["num_hidden_layers"]],
+        "tensors": layer,
+    }
     return {
         "name": "qwen3-30b-a3b",
         "source": "Qwen/Qwen3-30B-A3B config.json (per-expert tensors)",
@@ -230,23 +254,41 @@ def main() -> None:
         llama3(
             "llama3-8b",
             "meta-llama/Meta-Llama-3-8B config.json",
-            {"vocab_size": LLAMA_VOCAB, "hidden_size": 4096, "num_hidden_layers": 32,
-             "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
-             "tie_word_embeddings": False},
+            {
+                "vocab_size": LLAMA_VOCAB,
+                "hidden_size": 4096,
+                "num_hidden_layers": 32,
+                "num_attention_heads": 32,
+                "num_key_value_heads": 8,
+                "intermediate_size": 14336,
+                "tie_word_embeddings": False,
+            },
         ),
         llama3(
             "llama3-70b",
             "meta-llama/Meta-Llama-3-70B config.json",
-            {"vocab_size": LLAMA_VOCAB, "hidden_size": 8192, "num_hidden_layers": 80,
-             "num_attention_heads": 64, "num_key_value_heads": 8, "intermediate_size": 28672,
-             "tie_word_embeddings": False},
+            {
+                "vocab_size": LLAMA_VOCAB,
+                "hidden_size": 8192,
+                "num_hidden_layers": 80,
+                "num_attention_heads": 64,
+                "num_key_value_heads": 8,
+                "intermediate_size": 28672,
+                "tie_word_embeddings": False,
+            },
         ),
         llama3(
             "llama3-405b",
             "meta-llama/Llama-3.1-405B config.json",
-            {"vocab_size": LLAMA_VOCAB, "hidden_size": 16384, "num_hidden_layers": 126,
-             "num_attention_heads": 128, "num_key_value_heads": 8, "intermediate_size": 53248,
-             "tie_word_embeddings": False},
+            {
+                "vocab_size": LLAMA_VOCAB,
+                "hidden_size": 16384,
+                "num_hidden_layers": 126,
+                "num_attention_heads": 128,
+                "num_key_value_heads": 8,
+                "intermediate_size": 53248,
+                "tie_word_embeddings": False,
+            },
         ),
         deepseek_v3(),
         gpt_oss_120b(),

@@ -16,7 +16,13 @@ from typing import NoReturn
 from shard_planner._layout import Layout
 from shard_planner._plan import ORDERS, plan_layout
 from shard_planner._presets import GroupSpec, ModelPreset, load_preset, parse_model, preset_names
-from shard_planner._report import compare_case, describe_layout, draw_layout, format_table, plot_cases
+from shard_planner._report import (
+    compare_case,
+    describe_layout,
+    draw_layout,
+    format_table,
+    plot_cases,
+)
 
 
 class UsageError(Exception):
@@ -42,7 +48,9 @@ def _positive(text: str) -> int:
 def _positive_list(text: str) -> list[int]:
     items = [item for item in text.split(",") if item.strip()]
     if not items:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of integers, got {text!r}"
+        )
     return [_positive(item) for item in items]
 
 
@@ -74,14 +82,18 @@ def _cmd_plan(args: argparse.Namespace) -> None:
     model = _load_model(args)
     groups = [_select_group(model, args.group)] if args.group else list(model.groups)
     layouts = {
-        g.name: plan_layout(g.specs(args.block_rows), args.world_size, align=args.align, order=args.order)
+        g.name: plan_layout(
+            g.specs(args.block_rows), args.world_size, align=args.align, order=args.order
+        )
         for g in groups
     }
     if args.out:
         if len(layouts) == 1:
             text = next(iter(layouts.values())).to_json()
         else:
-            text = json.dumps({name: json.loads(l.to_json()) for name, l in layouts.items()}, indent=1)
+            text = json.dumps(
+                {name: json.loads(layout.to_json()) for name, layout in layouts.items()}, indent=1
+            )
         pathlib.Path(args.out).write_text(text + "\n")
         print(f"wrote {len(layouts)} layout(s) to {args.out}")
         return

@@ -113,7 +113,9 @@ class Layout:
         except KeyError:
             valid = ", ".join(sorted(self._index)[:8])
             more = "" if len(self._index) <= 8 else f", ... ({len(self._index)} in all)"
-            raise KeyError(f"no tensor named {name!r} in this layout; valid: {valid}{more}") from None
+            raise KeyError(
+                f"no tensor named {name!r} in this layout; valid: {valid}{more}"
+            ) from None
 
     def unit(self, name: str) -> int:
         """Elements per RaggedShard unit of tensor `name`: gcd(block, numel)."""
@@ -124,8 +126,9 @@ class Layout:
 
         Returns (0, 0) when the rank holds none of it.
         """
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
-            raise ValueError(f"rank must be an int in [0, {self.world_size}), got {rank!r}")
+        check_count("rank", rank, 0)
+        if rank >= self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}")
         spec = self.spec(name)
         start = self.offsets[name]
         base = rank * self.shard_size

@@ -47,7 +47,9 @@ Order = Literal["given", "block", "size", "auto"]
 ORDERS: tuple[Order, ...] = ("given", "block", "size", "auto")
 
 
-def _place(sizes: Sequence[int], atoms: Sequence[int], size: int, capacity: int) -> list[int] | None:
+def _place(
+    sizes: Sequence[int], atoms: Sequence[int], size: int, capacity: int
+) -> list[int] | None:
     """Earliest-start placement of tensors in this order with shard size `size`.
 
     Returns the start offsets, or None when the tensors do not fit in `capacity` elements.

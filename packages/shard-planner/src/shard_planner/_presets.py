@@ -128,7 +128,9 @@ def parse_model(text: str, *, origin: str = "group file") -> ModelPreset:
     for raw in raw_groups:
         groups += _parse_group(raw, origin)
     config = doc.get("config", {})
-    return ModelPreset(str(doc.get("name", origin)), str(doc.get("source", "")), config, tuple(groups))
+    return ModelPreset(
+        str(doc.get("name", origin)), str(doc.get("source", "")), config, tuple(groups)
+    )
 
 
 def _parse_group(raw: Any, origin: str) -> list[GroupSpec]:
@@ -145,19 +147,27 @@ def _parse_group(raw: Any, origin: str) -> list[GroupSpec]:
         or not all(isinstance(i, int) and not isinstance(i, bool) for i in indices)
         or not 0 <= indices[0] < indices[1]
     ):
-        raise ValueError(f"{origin}, group {name!r}: 'indices' must be [start, stop), 0 <= start < stop")
+        raise ValueError(
+            f"{origin}, group {name!r}: 'indices' must be [start, stop), 0 <= start < stop"
+        )
     if "{i}" not in str(name):
-        raise ValueError(f"{origin}, group {name!r}: a group with 'indices' needs '{{i}}' in its name")
+        raise ValueError(
+            f"{origin}, group {name!r}: a group with 'indices' needs '{{i}}' in its name"
+        )
     groups = []
     for i in range(*indices):
         prefix = str(name).replace("{i}", str(i))
-        groups.append(GroupSpec(prefix, tuple(e._replace(name=f"{prefix}.{e.name}") for e in entries)))
+        groups.append(
+            GroupSpec(prefix, tuple(e._replace(name=f"{prefix}.{e.name}") for e in entries))
+        )
     return groups
 
 
 def _parse_entry(raw: Any, where: str) -> _Entry:
     if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
-        raise ValueError(f"{where}: each tensor must be an object with a 'name' string, got {raw!r}")
+        raise ValueError(
+            f"{where}: each tensor must be an object with a 'name' string, got {raw!r}"
+        )
     name = raw["name"]
     try:
         if "shape" in raw:
@@ -173,4 +183,3 @@ def _parse_entry(raw: Any, where: str) -> _Entry:
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}, tensor {name!r}: {exc}") from None
     raise ValueError(f"{where}, tensor {name!r}: needs 'shape' or 'numel'")
-

@@ -45,7 +45,9 @@ class CaseResult:
     seconds: float
 
 
-def compare_case(preset: ModelPreset, world_size: int, block_rows: int, align: int = 1) -> CaseResult:
+def compare_case(
+    preset: ModelPreset, world_size: int, block_rows: int, align: int = 1
+) -> CaseResult:
     """Plans every group of `preset` and sums the padding of ours and the baselines.
 
     Example:
@@ -70,7 +72,16 @@ def compare_case(preset: ModelPreset, world_size: int, block_rows: int, align: i
         if ratio > worst:
             worst, worst_group = ratio, group.name
     return CaseResult(
-        world_size, block_rows, preset.numel, padding, floor, fsdp2, flat, worst, worst_group, seconds
+        world_size,
+        block_rows,
+        preset.numel,
+        padding,
+        floor,
+        fsdp2,
+        flat,
+        worst,
+        worst_group,
+        seconds,
     )
 
 
@@ -84,7 +95,10 @@ def format_table(preset: ModelPreset, cases: Sequence[CaseResult]) -> str:
         f"{'world':>6} {'rows':>5} {'ours':>10} {'floor':>10} {'fsdp2':>10} {'flat':>10} "
         f"{'S/bound':>8} {'plan s':>7}  worst group"
     )
-    lines = [f"{preset.name}: {preset.numel / 1e9:.2f}B parameters in {len(preset.groups)} groups", head]
+    lines = [
+        f"{preset.name}: {preset.numel / 1e9:.2f}B parameters in {len(preset.groups)} groups",
+        head,
+    ]
     for c in cases:
         lines.append(
             f"{c.world_size:>6} {c.block_rows:>5} {pct(c.padding, c.numel)} "
@@ -160,7 +174,9 @@ def draw_layout(layout: Layout, path: str, *, title: str = "", max_ranks: int = 
             lo, hi = layout.local_range(spec.name, rank)
             if hi <= lo:
                 continue
-            ax.barh(y, hi - lo, left=lo, height=0.8, color=colors[spec.name], edgecolor="black", lw=0.3)
+            ax.barh(
+                y, hi - lo, left=lo, height=0.8, color=colors[spec.name], edgecolor="black", lw=0.3
+            )
             if (hi - lo) / size > 0.06:
                 label = ".".join(spec.name.split(".")[-2:])
                 ax.text((lo + hi) / 2, y, label, ha="center", va="center", fontsize=6)
@@ -180,7 +196,5 @@ def _pyplot() -> Any:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise RuntimeError(
-            "drawing needs matplotlib: pip install 'shard-planner[plot]'"
-        ) from None
+        raise RuntimeError("drawing needs matplotlib: pip install 'shard-planner[plot]'") from None
     return plt

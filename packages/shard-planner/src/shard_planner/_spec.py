@@ -41,7 +41,8 @@ class TensorSpec:
     shape: tuple[int, ...] | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
+        name: object = self.name  # callers may pass anything; check before trusting the hint
+        if not isinstance(name, str) or not name:
             raise ValueError(f"TensorSpec.name must be a non-empty str, got {self.name!r}")
         check_count(f"TensorSpec({self.name!r}).numel", self.numel, 0)
         check_count(f"TensorSpec({self.name!r}).block", self.block, 1)
