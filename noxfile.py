@@ -49,7 +49,7 @@ def _install_members(session: nox.Session, torch_version: str | None) -> None:
 def tests(session: nox.Session, torch: str) -> None:
     """Run every CPU test of every package against one torch version (2.13.0 and 2.14.1).
 
-    Pass pytest arguments after `--`, e.g. `nox -s tests-2.13.0 -- packages/shard-planner -x`.
+    Pass pytest arguments after `--`, e.g. `nox -s "tests(2.13.0)" -- packages/shard-planner -x`.
     """
     _install_members(session, torch)
     session.run("pytest", "-m", "not gpu", *(session.posargs or ["tests", "packages"]))

@@ -125,6 +125,7 @@ def plot_cases(preset: ModelPreset, cases: Sequence[CaseResult], path: str) -> N
             ax.plot(xs, [100 * c.flat / c.numel for c in sub], "^:", label="flat (cuts blocks)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("symlog", linthresh=1.0)
+    ax.set_ylim(bottom=0)
     ax.set_xlabel("FSDP world size")
     ax.set_ylabel("padding, % of parameters")
     ax.set_title(f"{preset.name}: padding by sharding scheme")
@@ -135,7 +136,7 @@ def plot_cases(preset: ModelPreset, cases: Sequence[CaseResult], path: str) -> N
     plt.close(fig)
 
 
-def describe_layout(layout: Layout, *, max_ranks: int = 16) -> str:
+def describe_layout(layout: Layout, *, max_ranks: int = 16, max_pieces: int = 8) -> str:
     """A per-rank text map of a layout: which tensors (and how many units) each rank holds."""
     size = layout.shard_size
     lines = [
@@ -152,6 +153,9 @@ def describe_layout(layout: Layout, *, max_ranks: int = 16) -> str:
             if hi > lo:
                 pieces.append(f"{spec.name}[{lo}:{hi}]x{(hi - lo) // spec.unit}u")
                 used += hi - lo
+        if len(pieces) > max_pieces:  # keep one line per rank readable
+            hidden = len(pieces) - max_pieces + 1
+            pieces = [*pieces[: max_pieces - 2], f"...({hidden} more)...", pieces[-1]]
         lines.append(f"rank {rank:>5}: pad {size - used:>10}  " + " ".join(pieces))
     if layout.world_size > max_ranks:
         lines.append(f"... {layout.world_size - max_ranks} more ranks")

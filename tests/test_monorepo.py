@@ -1,0 +1,57 @@
+"""Repository-wide rules from DESIGN.md, checked on every package's metadata."""
+
+import importlib.metadata
+import pathlib
+import re
+import tomllib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# Bottom-up, as in DESIGN.md's package table: a package may depend only on earlier rows.
+TABLE = [
+    ("shard-planner", "shard-planner", "shard_planner"),
+    ("ragged-placement", "ragged-placement", "ragged_placement"),
+    ("dbuffer", "dbuffer", "dbuffer"),
+    ("fsdp-engine", "fsdp-engine", "fsdp_engine"),
+    ("optimizers", "ragged-optimizers", "ragged_optimizers"),
+]
+DISTRIBUTIONS = [dist for _, dist, _ in TABLE]
+
+
+def _project(folder: str) -> dict:
+    return tomllib.loads((ROOT / "packages" / folder / "pyproject.toml").read_text())
+
+
+def test_every_package_folder_is_in_the_table() -> None:
+    assert sorted(p.name for p in (ROOT / "packages").iterdir() if p.is_dir()) == sorted(
+        folder for folder, _, _ in TABLE
+    )
+
+
+@pytest.mark.parametrize(("row", "entry"), list(enumerate(TABLE)), ids=DISTRIBUTIONS)
+def test_package_layout_and_dependencies(row, entry) -> None:
+    folder, dist, module = entry
+    base = ROOT / "packages" / folder
+    project = _project(folder)["project"]
+    assert project["name"] == dist
+    for needed in ("README.md", "tests", f"src/{module}/__init__.py", f"src/{module}/py.typed"):
+        assert (base / needed).exists(), f"{folder} lacks {needed}"
+    siblings = []
+    for requirement in project.get("dependencies", []):
+        assert "@" not in requirement and "file:" not in requirement, "no path references"
+        name = re.split(r"[<>=!~ \[;]", requirement, maxsplit=1)[0]
+        if name in DISTRIBUTIONS:
+            siblings.append(name)
+            assert re.search(r">=\d", requirement), f"{dist}: pin {requirement} with a range"
+    allowed = set(DISTRIBUTIONS[:row])
+    assert set(siblings) <= allowed, f"{dist} depends upward: {set(siblings) - allowed}"
+    if module == "shard_planner":
+        assert project.get("dependencies", []) == [], "shard-planner has no dependencies"
+
+
+@pytest.mark.parametrize(("folder", "dist", "module"), TABLE, ids=DISTRIBUTIONS)
+def test_installed_version_is_the_source_version(folder, dist, module) -> None:
+    init = (ROOT / "packages" / folder / "src" / module / "__init__.py").read_text()
+    version = re.search(r'^__version__ = "([^"]+)"', init, re.M).group(1)
+    assert importlib.metadata.version(dist) == version
