@@ -1,10 +1,27 @@
-"""RaggedShard: a DTensor placement for uneven, block-granular shards.
+"""ragged_placement: RaggedShard, a DTensor placement for uneven, block-granular shards.
 
-This package is an importable skeleton: its API arrives with the issue that builds it
-(issue 3). It exports nothing but its version until then, so that nothing downstream can
-depend on a placeholder.
+Importing the package installs RaggedShard support into torch's own DTensor (see
+`ragged_placement._compat`): `distribute_tensor`, `DTensor.from_local`, `redistribute`,
+`full_tensor`, autograd through them, elementwise and `_foreach_*` ops, and whole-tensor
+`sum` / `mean` / `linalg_vector_norm` / `_foreach_norm`. DTensors without a RaggedShard are
+left exactly as torch handles them.
+
+Example:
+    >>> import ragged_placement
+    >>> from ragged_placement import RaggedShard
+    >>> from torch.distributed.tensor import distribute_tensor
+    >>> dt = distribute_tensor(weight, mesh, [RaggedShard((0,), (3, 1, 0, 4))])  # doctest: +SKIP
+    >>> ragged_placement.local_view(dt).shape  # doctest: +SKIP
 """
+
+from ragged_placement._comm_counter import Collective, CommCounter
+from ragged_placement._compat import install as _install
+from ragged_placement._integration import RaggedHooks as _RaggedHooks
+from ragged_placement._placement import RaggedShard
+from ragged_placement._views import flat_range, local_view
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = ["Collective", "CommCounter", "RaggedShard", "__version__", "flat_range", "local_view"]
+
+_install(_RaggedHooks())

@@ -1,0 +1,102 @@
+"""The RaggedShard side of torch's DTensor entry points, installed by `_compat.install`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement, Replicate
+
+from ragged_placement._compat import (
+    DTensorSpec,
+    OpSchema,
+    OutputSharding,
+    TensorMeta,
+    contiguous_strides,
+    make_dtensor,
+)
+from ragged_placement._ops import propagate, schema_has_ragged
+from ragged_placement._placement import RaggedShard
+from ragged_placement._redistribute import block_shape, check_placements, redistribute_ragged
+
+
+class RaggedHooks:
+    """Implements `_compat.Hooks`."""
+
+    def is_ragged(self, placements: Sequence[Placement] | None) -> bool:
+        return placements is not None and any(isinstance(p, RaggedShard) for p in placements)
+
+    def schema_is_ragged(self, schema: OpSchema) -> bool:
+        return schema_has_ragged(schema)
+
+    def redistribute(
+        self,
+        local: torch.Tensor,
+        current: DTensorSpec,
+        target: DTensorSpec,
+        original: Callable[..., torch.Tensor],
+    ) -> torch.Tensor:
+        return redistribute_ragged(local, current, target, original)
+
+    def distribute(
+        self,
+        tensor: torch.Tensor,
+        mesh: DeviceMesh,
+        placements: Sequence[Placement],
+        original: Callable[..., DTensor],
+        src_data_rank: int | None,
+    ) -> DTensor:
+        if isinstance(tensor, DTensor):
+            raise ValueError(
+                "distribute_tensor with RaggedShard takes a torch.Tensor, got a DTensor"
+            )
+        if not tensor.is_contiguous():
+            raise ValueError(
+                "RaggedShard shards the row-major flattening, so the source must be contiguous; "
+                f"got shape {tuple(tensor.shape)} with stride {tensor.stride()}"
+            )
+        check_placements(placements, tensor.shape, tuple(mesh.shape))
+        # Other axes first (torch's own code, honouring src_data_rank); then this rank's
+        # piece of the block they leave. With src_data_rank=None nothing is communicated.
+        plain = [Replicate() if isinstance(p, RaggedShard) else p for p in placements]
+        local = original(tensor, mesh, plain, src_data_rank=src_data_rank).to_local()
+        for axis, p in enumerate(placements):
+            if isinstance(p, RaggedShard):
+                lo, hi = p.flat_ranges(list(local.shape), mesh.size(axis))[
+                    mesh.get_local_rank(axis)
+                ]
+                # clone: the piece must not keep the whole block alive.
+                local = local.reshape(-1)[lo:hi].clone()
+        meta = TensorMeta(shape=tensor.shape, stride=tensor.stride(), dtype=tensor.dtype)
+        spec = DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
+        requires_grad = tensor.requires_grad
+        return make_dtensor(
+            local.detach().requires_grad_(requires_grad), spec, requires_grad=requires_grad
+        )
+
+    def check_from_local(
+        self,
+        local: torch.Tensor,
+        mesh: DeviceMesh,
+        placements: Sequence[Placement],
+        shape: torch.Size,
+    ) -> None:
+        check_placements(placements, shape, tuple(mesh.shape))
+        meta = TensorMeta(shape, contiguous_strides(shape), local.dtype)
+        spec = DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
+        for axis, p in enumerate(placements):
+            if isinstance(p, RaggedShard):
+                block = block_shape(spec, axis)
+                lo, hi = p.flat_ranges(block, mesh.size(axis))[mesh.get_local_rank(axis)]
+                if local.dim() != 1 or local.numel() != hi - lo:
+                    raise ValueError(
+                        f"the local tensor of {p!r} on this rank must be 1-D with {hi - lo} "
+                        f"elements (range [{lo}, {hi}) of a block of shape {tuple(block)}), got "
+                        f"shape {tuple(local.shape)}"
+                    )
+
+    def propagate(self, schema: OpSchema, tensor_meta: Callable[[OpSchema], Any]) -> OutputSharding:
+        return propagate(schema, tensor_meta)

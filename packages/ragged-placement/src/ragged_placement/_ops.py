@@ -1,0 +1,267 @@
+"""Sharding rules for ops on RaggedShard DTensors.
+
+torch's DTensor computes an op on the local tensors once sharding propagation has said which
+spec each input must have and which spec the output gets. For a RaggedShard input we answer
+that question ourselves (see `_compat.install`), for three families:
+
+- elementwise ops (aten ops tagged pointwise, `*_like` factories, copies, dtype casts) and
+  their `_foreach_*` forms: every tensor operand must have the same spec as the first
+  RaggedShard operand (a same-shape operand with another spec is redistributed to it; a 0-dim
+  tensor or a Python scalar broadcasts as is). The output keeps the spec; the local op runs on
+  the flat pieces, which is exact for any elementwise op.
+- whole-tensor reductions (`sum`, `mean`, `linalg_vector_norm`, `_foreach_norm` without
+  `dim`): each rank reduces its piece and the output is Partial on the sharded mesh axes, so
+  `full_tensor()` (or any later op) reduces across ranks: sum -> Partial("sum"), p-norm ->
+  torch's norm partial, mean -> a partial that weights each rank's mean by its share of the
+  elements (an empty piece contributes nothing).
+- anything else raises an error naming the op and the way out (redistribute first).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import torch
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+
+from ragged_placement._compat import (
+    DTensorSpec,
+    OpSchema,
+    OutputSharding,
+    TensorMeta,
+    WeightedMeanPartial,
+    norm_partial,
+)
+from ragged_placement._placement import RaggedShard
+
+aten = torch.ops.aten
+
+_ELEMENTWISE_EXTRA = {
+    aten._to_copy.default,
+    aten.zeros_like.default,
+    aten.ones_like.default,
+    aten.empty_like.default,
+    aten.full_like.default,
+    aten.detach.default,
+    aten.alias.default,
+    aten.copy_.default,
+    aten.fill_.Scalar,
+    aten.zero_.default,
+    aten.clone.default,
+}
+_REDUCTIONS = {
+    aten.sum.default: "sum",
+    aten.mean.default: "mean",
+    aten.linalg_vector_norm.default: "norm",
+    aten._foreach_norm.Scalar: "norm",
+}
+
+
+class UnsupportedRaggedOpError(NotImplementedError):
+    """An op that has no RaggedShard rule; the message says how to get past it."""
+
+
+def has_ragged(spec: object) -> bool:
+    """Whether `spec` (a DTensorSpec) places any mesh axis with RaggedShard."""
+    return isinstance(spec, DTensorSpec) and any(
+        isinstance(p, RaggedShard) for p in spec.placements
+    )
+
+
+def schema_has_ragged(op_schema: OpSchema) -> bool:
+    """Whether any tensor argument of the op is a RaggedShard DTensor."""
+    for arg in (*op_schema.args_schema, *op_schema.kwargs_schema.values()):
+        if has_ragged(arg):
+            return True
+        if isinstance(arg, (list, tuple)) and any(has_ragged(a) for a in arg):
+            return True
+    return False
+
+
+def _is_elementwise(op: torch._ops.OpOverload) -> bool:
+    return torch.Tag.pointwise in op.tags or op in _ELEMENTWISE_EXTRA
+
+
+def _is_foreach_elementwise(op: torch._ops.OpOverload) -> bool:
+    name = op.__name__  # e.g. "_foreach_add_.Scalar"
+    if not name.startswith("_foreach_"):
+        return False
+    base_name = name[len("_foreach_") :].split(".")[0]
+    base = getattr(aten, base_name, None)
+    if base is None:
+        return False
+    return any(_is_elementwise(getattr(base, o)) for o in base.overloads())
+
+
+def _with_meta(
+    spec: DTensorSpec, meta: TensorMeta | None, placements: Sequence[Placement]
+) -> DTensorSpec:
+    return DTensorSpec(spec.mesh, tuple(placements), tensor_meta=meta or spec.tensor_meta)
+
+
+def _align_operand(arg: object, ref: DTensorSpec, op: object) -> object:
+    """The spec an operand must have to be combined elementwise with `ref`."""
+    if not isinstance(arg, DTensorSpec):
+        return arg
+    if arg.mesh != ref.mesh:
+        raise ValueError(f"{op}: operands live on different meshes ({arg.mesh} vs {ref.mesh})")
+    if arg.placements == ref.placements and arg.shape == ref.shape:
+        return arg
+    if arg.ndim == 0 and all(p.is_replicate() for p in arg.placements):
+        return arg  # a replicated scalar broadcasts against any local piece
+    if arg.shape != ref.shape:
+        raise UnsupportedRaggedOpError(
+            f"{op}: cannot broadcast an operand of shape {tuple(arg.shape)} against a "
+            f"RaggedShard tensor of shape {tuple(ref.shape)}; RaggedShard operands must have the "
+            f"same shape (or be 0-dim). Redistribute to Replicate or Shard first."
+        )
+    return DTensorSpec(ref.mesh, ref.placements, tensor_meta=arg.tensor_meta)
+
+
+def _elementwise(op_schema: OpSchema, metas: Any, args: Sequence[object]) -> OutputSharding:
+    ref = next(a for a in args if has_ragged(a))
+    assert isinstance(ref, DTensorSpec)
+    new_args = tuple(_align_operand(a, ref, op_schema.op) for a in op_schema.args_schema)
+    new_kwargs = {
+        k: _align_operand(v, ref, op_schema.op) for k, v in op_schema.kwargs_schema.items()
+    }
+    return _finish(op_schema, new_args, new_kwargs, _specs_like(ref, metas))
+
+
+def _foreach(op_schema: OpSchema, metas: Any) -> OutputSharding:
+    lists = [a for a in op_schema.args_schema if isinstance(a, (list, tuple))]
+    length = len(lists[0])
+    refs: list[DTensorSpec | None] = []
+    for i in range(length):
+        column = [lst[i] for lst in lists if len(lst) == length]
+        refs.append(next((a for a in column if has_ragged(a)), None))
+
+    def align(arg: object) -> object:
+        if isinstance(arg, (list, tuple)) and len(arg) == length:
+            return type(arg)(
+                _align_operand(a, ref, op_schema.op) if ref is not None else a
+                for a, ref in zip(arg, refs, strict=True)
+            )
+        if isinstance(arg, DTensorSpec) and any(r is not None for r in refs):
+            raise UnsupportedRaggedOpError(
+                f"{op_schema.op}: a single tensor operand next to RaggedShard lists is not "
+                "supported; pass a list"
+            )
+        return arg
+
+    new_args = tuple(align(a) for a in op_schema.args_schema)
+    new_kwargs = {k: align(v) for k, v in op_schema.kwargs_schema.items()}
+    if metas is None:
+        out: Any = None
+    else:
+        first = lists[0]
+        out = [
+            _specs_like(cast(DTensorSpec, ref or first[i]), meta) if meta is not None else None
+            for i, (ref, meta) in enumerate(zip(refs, metas, strict=True))
+        ]
+    return _finish(op_schema, new_args, new_kwargs, out)
+
+
+def _specs_like(ref: DTensorSpec, metas: Any) -> Any:
+    if metas is None:
+        return None
+    if isinstance(metas, TensorMeta):
+        if metas.shape != ref.shape:
+            raise UnsupportedRaggedOpError(
+                f"an elementwise op changed the shape {tuple(ref.shape)} -> {tuple(metas.shape)} "
+                "of a RaggedShard tensor"
+            )
+        return _with_meta(ref, metas, ref.placements)
+    return type(metas)(_specs_like(ref, m) if m is not None else None for m in metas)
+
+
+def _finish(
+    op_schema: OpSchema, args: tuple[object, ...], kwargs: dict[str, object], out: Any
+) -> OutputSharding:
+    changed = args != tuple(op_schema.args_schema) or kwargs != dict(op_schema.kwargs_schema)
+    if not changed:
+        return OutputSharding(out)
+    schema = OpSchema(op_schema.op, args, kwargs, schema_info=op_schema.schema_info)
+    return OutputSharding(out, redistribute_schema=schema, needs_redistribute=True)
+
+
+def _as_float(value: object) -> float:
+    if not isinstance(value, int | float):
+        raise UnsupportedRaggedOpError(f"norm order must be a number, got {value!r}")
+    return float(value)
+
+
+def _reduction(op_schema: OpSchema, kind: str, metas: Any) -> OutputSharding:
+    args = op_schema.args_schema
+    if op_schema.op is aten._foreach_norm.Scalar:
+        specs = args[0]
+        ord_ = _as_float(args[1] if len(args) > 1 else 2.0)
+        assert isinstance(specs, (list, tuple))
+        out = [
+            _reduced_spec(s, m, "norm", ord_) if isinstance(s, DTensorSpec) else None
+            for s, m in zip(specs, metas, strict=True)
+        ]
+        return OutputSharding(out)
+    spec = args[0]
+    assert isinstance(spec, DTensorSpec)
+    if kind == "norm":
+        norm_ord = _as_float(args[1] if len(args) > 1 else op_schema.kwargs_schema.get("ord", 2))
+        dim = args[2] if len(args) > 2 else op_schema.kwargs_schema.get("dim")
+        if dim is not None:
+            raise UnsupportedRaggedOpError(
+                f"{op_schema.op} over dims {dim} of a RaggedShard tensor; only whole-tensor norms "
+                "are supported. Redistribute to Replicate or Shard first."
+            )
+        return OutputSharding(_reduced_spec(spec, metas, kind, norm_ord))
+    return OutputSharding(_reduced_spec(spec, metas, kind, 0.0))
+
+
+def _reduced_spec(spec: DTensorSpec, meta: TensorMeta, kind: str, ord_: float) -> DTensorSpec:
+    placements: list[Placement] = []
+    for axis, p in enumerate(spec.placements):
+        if isinstance(p, RaggedShard | Shard):
+            if kind == "sum":
+                placements.append(Partial("sum"))
+            elif kind == "norm":
+                placements.append(norm_partial(ord_))
+            else:
+                placements.append(WeightedMeanPartial(_shares(spec, axis)))
+        elif isinstance(p, Replicate):
+            placements.append(p)
+        else:
+            raise UnsupportedRaggedOpError(
+                f"a whole-tensor {kind} of a RaggedShard tensor that is also {p} on mesh axis "
+                f"{axis}; reduce that axis first"
+            )
+    return DTensorSpec(spec.mesh, tuple(placements), tensor_meta=meta)
+
+
+def _shares(spec: DTensorSpec, axis: int) -> tuple[float, ...]:
+    p = spec.placements[axis]
+    if isinstance(p, RaggedShard):
+        total = sum(p.local_units)
+        return tuple(u / total for u in p.local_units)
+    assert isinstance(p, Shard)
+    size, parts = spec.shape[p.dim], spec.mesh.size(axis)
+    chunk = math.ceil(size / parts) if size else 0
+    return tuple(max(0, min(chunk, size - i * chunk)) / size if size else 0.0 for i in range(parts))
+
+
+def propagate(op_schema: OpSchema, tensor_meta: Callable[[OpSchema], Any]) -> OutputSharding:
+    """The output sharding of an op with at least one RaggedShard input (see module doc)."""
+    op = op_schema.op
+    flat_args = [*op_schema.args_schema, *op_schema.kwargs_schema.values()]
+    if op in _REDUCTIONS:
+        return _reduction(op_schema, _REDUCTIONS[op], tensor_meta(op_schema))
+    if _is_foreach_elementwise(op):
+        return _foreach(op_schema, tensor_meta(op_schema))
+    if _is_elementwise(op):
+        return _elementwise(op_schema, tensor_meta(op_schema), flat_args)
+    raise UnsupportedRaggedOpError(
+        f"{op} has no sharding rule for RaggedShard inputs (supported: elementwise ops, "
+        "_foreach_* elementwise ops, and whole-tensor sum, mean, linalg_vector_norm, "
+        "_foreach_norm). Redistribute to Replicate or Shard first, or work on "
+        "ragged_placement.local_view(...)."
+    )

@@ -1,0 +1,129 @@
+"""RaggedShard: uneven, block-granular sharding of a tensor's row-major flattening.
+
+The tensor (or the local block left by the other placements of its mesh) is viewed flat and
+cut into one contiguous piece per rank of one mesh axis. `local_units[r]` is rank r's share:
+with unit = numel / sum(local_units) elements, rank r holds the flat range
+[unit * sum(local_units[:r]), unit * sum(local_units[:r + 1])). `dims` is a prefix (0..k-1)
+of the tensor dims that may be cut; the trailing dims shape[k:] are never cut, so every piece
+is a whole number of rows and a unit is a whole number of rows. The local tensor is always
+1-D; `local_view` shows it as (-1, *shape[k:]).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from torch.distributed.tensor.placement_types import Placement
+
+
+def _as_int_tuple(what: str, values: object) -> tuple[int, ...]:
+    if isinstance(values, int) or not isinstance(values, Sequence):
+        raise TypeError(f"{what} must be a tuple of ints, got {values!r}")
+    out = tuple(values)
+    for v in out:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{what} must hold ints, got {v!r} in {values!r}")
+    return out
+
+
+class RaggedShard(Placement):
+    """Shards the flattened tensor into contiguous, uneven pieces along one mesh axis.
+
+    Args:
+        dims: The tensor dims that may be cut, a prefix (0, 1, ..., k-1); rows of
+            shape[k:] are never split.
+        local_units: One relative share per rank of the mesh axis, >= 0, not all zero.
+            A one-hot tuple puts the whole tensor on one rank.
+
+    Example:
+        >>> RaggedShard((0,), (1, 2, 1, 0)).flat_ranges((8, 3), num_ranks=4)
+        ((0, 6), (6, 18), (18, 24), (24, 24))
+    """
+
+    dims: tuple[int, ...]
+    local_units: tuple[int, ...]
+
+    def __init__(self, dims: Sequence[int], local_units: Sequence[int]) -> None:
+        super().__init__()
+        dims_t = _as_int_tuple("RaggedShard dims", dims)
+        units_t = _as_int_tuple("RaggedShard local_units", local_units)
+        if not dims_t or dims_t != tuple(range(len(dims_t))):
+            raise ValueError(
+                f"RaggedShard dims must be a non-empty prefix (0, 1, ..., k-1) of the tensor "
+                f"dims, got {dims_t}"
+            )
+        if not units_t:
+            raise ValueError("RaggedShard local_units must have one entry per rank, got ()")
+        if any(u < 0 for u in units_t):
+            raise ValueError(f"RaggedShard local_units must be >= 0, got {units_t}")
+        if not any(units_t):
+            raise ValueError(f"RaggedShard local_units must not be all zero, got {units_t}")
+        object.__setattr__(self, "dims", dims_t)
+        object.__setattr__(self, "local_units", units_t)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"RaggedShard is immutable; cannot set {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            type(other) is RaggedShard
+            and self.dims == other.dims
+            and self.local_units == other.local_units
+        )
+
+    def __hash__(self) -> int:
+        return hash((RaggedShard, self.dims, self.local_units))
+
+    def __repr__(self) -> str:
+        return f"RaggedShard(dims={self.dims}, local_units={self.local_units})"
+
+    def __str__(self) -> str:
+        return f"RS{self.local_units}"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (RaggedShard, (self.dims, self.local_units))
+
+    # -- math -------------------------------------------------------------------------------
+
+    def row_numel(self, shape: Sequence[int]) -> int:
+        """Elements per uncuttable row: prod(shape[len(dims):])."""
+        if len(self.dims) > max(len(shape), 1):
+            raise ValueError(
+                f"RaggedShard dims {self.dims} cut more dims than the tensor has (shape "
+                f"{tuple(shape)})"
+            )
+        return math.prod(shape[len(self.dims) :])
+
+    def unit_numel(self, shape: Sequence[int]) -> int:
+        """Elements per unit; raises ValueError unless units are whole rows of shape."""
+        numel = math.prod(shape)
+        total = sum(self.local_units)
+        unit, rest = divmod(numel, total)
+        row = self.row_numel(shape)
+        if rest or (row and unit % row):
+            raise ValueError(
+                f"{self!r} cannot shard shape {tuple(shape)}: {numel} elements must split "
+                f"into {total} units of whole rows of {row} elements"
+            )
+        return unit
+
+    def flat_ranges(self, shape: Sequence[int], num_ranks: int) -> tuple[tuple[int, int], ...]:
+        """[start, end) of every rank's piece in the flattened tensor."""
+        if num_ranks != len(self.local_units):
+            raise ValueError(
+                f"{self!r} has {len(self.local_units)} local_units but the mesh axis has "
+                f"{num_ranks} ranks"
+            )
+        unit = self.unit_numel(shape)
+        ranges = []
+        start = 0
+        for units in self.local_units:
+            ranges.append((start, start + units * unit))
+            start += units * unit
+        return tuple(ranges)
+
+    def flat_range(self, shape: Sequence[int], rank: int) -> tuple[int, int]:
+        """[start, end) of `rank`'s piece in the flattened tensor."""
+        return self.flat_ranges(shape, len(self.local_units))[rank]

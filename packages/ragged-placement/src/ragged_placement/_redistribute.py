@@ -1,0 +1,165 @@
+"""Redistribution between DTensor specs where at least one mesh axis is RaggedShard.
+
+RaggedShard on mesh axis i acts on the local block left by the placements of the other axes
+(Replicate leaves the tensor whole, Shard(d) leaves this rank's torch.chunk of dim d).
+
+Direct, exact paths when only axis i changes (see `_collectives` for the bytes):
+  RaggedShard -> Replicate         gather_pieces           (N - n_r received)
+  RaggedShard -> RaggedShard'      exchange_pieces         (only the overlaps that move)
+  Shard(0) <-> RaggedShard         exchange_pieces         (a Shard(0) chunk is a flat range)
+  Partial -> RaggedShard           reduce_scatter_pieces   (a reduce-scatter's volume)
+  Replicate -> RaggedShard         local slice             (nothing)
+Everything else goes in three steps: every RaggedShard axis of the source becomes Replicate
+(gather), torch's own redistribute does the rest, then every RaggedShard axis of the target
+is sliced locally. That is correct for any combination, but may move more than the minimum.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+
+from ragged_placement._collectives import exchange_pieces, gather_pieces, reduce_scatter_pieces
+from ragged_placement._compat import DTensorSpec
+from ragged_placement._placement import RaggedShard
+
+Original = Callable[..., torch.Tensor]
+
+
+def check_placements(
+    placements: Sequence[Placement], shape: Sequence[int], mesh_shape: Sequence[int]
+) -> None:
+    """Validates RaggedShard use in a placement list against a tensor shape and mesh."""
+    ragged = [(axis, p) for axis, p in enumerate(placements) if isinstance(p, RaggedShard)]
+    if len(ragged) > 1:
+        raise ValueError(
+            f"at most one RaggedShard per placement list, got {len(ragged)} in {tuple(placements)}"
+        )
+    for axis, p in ragged:
+        if len(p.local_units) != mesh_shape[axis]:
+            raise ValueError(
+                f"{p!r} on mesh axis {axis} needs {mesh_shape[axis]} local_units (the axis size), "
+                f"got {len(p.local_units)}"
+            )
+        if len(p.dims) > max(len(shape), 1):
+            raise ValueError(f"{p!r} cuts dims {p.dims} but the tensor has shape {tuple(shape)}")
+
+
+def _chunk_range(size: int, parts: int, index: int) -> tuple[int, int]:
+    # torch.chunk semantics, as used by Shard(d).
+    chunk = math.ceil(size / parts) if size else 0
+    lo = min(index * chunk, size)
+    return lo, min(lo + chunk, size)
+
+
+def block_shape(spec: DTensorSpec, skip_axis: int) -> list[int]:
+    """Shape of this rank's block after every Shard placement except the one on `skip_axis`."""
+    shape = list(spec.shape)
+    coordinate = spec.mesh.get_coordinate()
+    assert coordinate is not None, "the rank must be part of the mesh"
+    for axis, p in enumerate(spec.placements):
+        if axis != skip_axis and isinstance(p, Shard):
+            lo, hi = _chunk_range(shape[p.dim], spec.mesh.size(axis), coordinate[axis])
+            shape[p.dim] = hi - lo
+    return shape
+
+
+def _shard0_ranges(shape: Sequence[int], parts: int) -> list[tuple[int, int]]:
+    row = math.prod(shape[1:])
+    return [
+        (lo * row, hi * row) for lo, hi in (_chunk_range(shape[0], parts, i) for i in range(parts))
+    ]
+
+
+def _single_axis(
+    local: torch.Tensor, spec: DTensorSpec, axis: int, src: Placement, dst: Placement
+) -> torch.Tensor | None:
+    """Direct path for a change on one mesh axis, or None when there is none."""
+    mesh = spec.mesh
+    group = mesh.get_group(axis)
+    parts = mesh.size(axis)
+    shape = block_shape(spec, axis)
+    numel = math.prod(shape)
+    if isinstance(src, RaggedShard):
+        old = src.flat_ranges(shape, parts)
+        if isinstance(dst, Replicate):
+            return gather_pieces(local, old, group, numel).view(shape)
+        if isinstance(dst, RaggedShard):
+            return exchange_pieces(local, old, dst.flat_ranges(shape, parts), group)
+        if isinstance(dst, Shard) and dst.dim == 0 and shape:
+            out = exchange_pieces(local, old, _shard0_ranges(shape, parts), group)
+            return out.view(-1, *shape[1:])
+        return None
+    assert isinstance(dst, RaggedShard)
+    new = dst.flat_ranges(shape, parts)
+    lo, hi = new[mesh.get_local_rank(axis)]
+    if isinstance(src, Replicate):
+        # clone: the piece must not keep the whole replicated block alive.
+        return local.reshape(-1)[lo:hi].clone()
+    if isinstance(src, Shard) and src.dim == 0 and shape:
+        return exchange_pieces(local, _shard0_ranges(shape, parts), new, group)
+    if isinstance(src, Partial):
+        return reduce_scatter_pieces(local, new, group, src.reduce_op)
+    return None
+
+
+def redistribute_ragged(
+    local: torch.Tensor,
+    current: DTensorSpec,
+    target: DTensorSpec,
+    original: Original,
+    **kwargs: object,
+) -> torch.Tensor:
+    """Moves `local` from spec `current` to spec `target` (see the module docstring)."""
+    if current.mesh != target.mesh:
+        raise ValueError(f"cannot redistribute across meshes ({current.mesh} -> {target.mesh})")
+    mesh_shape = tuple(current.mesh.shape)
+    check_placements(current.placements, current.shape, mesh_shape)
+    check_placements(target.placements, target.shape, mesh_shape)
+    if current.placements == target.placements:
+        return local
+    changed = [
+        a
+        for a, (s, d) in enumerate(zip(current.placements, target.placements, strict=True))
+        if s != d
+    ]
+    others_plain = all(
+        not isinstance(p, RaggedShard | Partial)
+        for a, p in enumerate(current.placements)
+        if a not in changed
+    )
+    if len(changed) == 1 and others_plain:
+        axis = changed[0]
+        src, dst = current.placements[axis], target.placements[axis]
+        if isinstance(src, RaggedShard) or isinstance(dst, RaggedShard):
+            out = _single_axis(local, current, axis, src, dst)
+            if out is not None:
+                return out
+
+    # General path: gather ragged axes, let torch move the rest, slice ragged axes again.
+    plain_src = tuple(Replicate() if isinstance(p, RaggedShard) else p for p in current.placements)
+    for axis, p in enumerate(current.placements):
+        if isinstance(p, RaggedShard):
+            spec = DTensorSpec(current.mesh, current.placements, tensor_meta=current.tensor_meta)
+            shape = block_shape(spec, axis)
+            local = gather_pieces(
+                local,
+                p.flat_ranges(shape, mesh_shape[axis]),
+                current.mesh.get_group(axis),
+                math.prod(shape),
+            ).view(shape)
+    plain_dst = tuple(Replicate() if isinstance(p, RaggedShard) else p for p in target.placements)
+    src_spec = DTensorSpec(current.mesh, plain_src, tensor_meta=current.tensor_meta)
+    dst_spec = DTensorSpec(target.mesh, plain_dst, tensor_meta=target.tensor_meta)
+    if plain_src != plain_dst:
+        local = original(local, src_spec, dst_spec)
+    for axis, p in enumerate(target.placements):
+        if isinstance(p, RaggedShard):
+            lo, hi = p.flat_ranges(list(local.shape), mesh_shape[axis])[
+                current.mesh.get_local_rank(axis)
+            ]
+            local = local.reshape(-1)[lo:hi].clone()
+    return local

@@ -1,0 +1,46 @@
+"""Views of a RaggedShard DTensor's local piece."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ragged_placement._compat import spec_of
+from ragged_placement._placement import RaggedShard
+from ragged_placement._redistribute import block_shape
+
+
+def _ragged_axis(dt: DTensor) -> tuple[int, RaggedShard]:
+    if not isinstance(dt, DTensor):
+        raise TypeError(f"expected a DTensor, got {type(dt).__name__}")
+    for axis, p in enumerate(dt.placements):
+        if isinstance(p, RaggedShard):
+            return axis, p
+    raise ValueError(f"expected a DTensor with a RaggedShard placement, got {dt.placements}")
+
+
+def flat_range(dt: DTensor) -> tuple[int, int]:
+    """This rank's [start, end) in the flattened tensor.
+
+    With other placements on the mesh (HSDP, TP) the range is within the block they leave.
+
+    Example:
+        >>> # with RaggedShard((0,), (1, 3)) on a (4, 2) tensor, rank 1 holds [2, 8)
+        >>> flat_range(dt)  # doctest: +SKIP
+        (2, 8)
+    """
+    axis, placement = _ragged_axis(dt)
+    shape = block_shape(spec_of(dt), axis)
+    return placement.flat_range(shape, dt.device_mesh.get_local_rank(axis))
+
+
+def local_view(dt: DTensor) -> torch.Tensor:
+    """The flat local piece viewed as (-1, *shape[k:]): whole rows of the trailing dims.
+
+    Example:
+        >>> local_view(dt).shape  # doctest: +SKIP
+        torch.Size([3, 2])
+    """
+    axis, placement = _ragged_axis(dt)
+    shape = block_shape(spec_of(dt), axis)
+    return dt.to_local().view(-1, *shape[len(placement.dims) :])
