@@ -48,6 +48,8 @@ def gather_pieces(
     out = torch.empty(numel, dtype=local.dtype, device=local.device)
     start, end = ranges[rank]
     out[start:end].copy_(local.reshape(-1))
+    if group.size() == 1:
+        return out
     works = []
     for src, (lo, hi) in enumerate(ranges):
         if hi > lo:
@@ -62,6 +64,8 @@ def exchange_pieces(
     local: torch.Tensor, old: Ranges, new: Ranges, group: dist.ProcessGroup
 ) -> torch.Tensor:
     """Moves from pieces `old` to pieces `new` with one uneven all-to-all."""
+    if group.size() == 1:
+        return local.reshape(-1)
     rank = dist.get_rank(group)
     send = [_overlap(old[rank], piece) for piece in new]
     recv = [_overlap(piece, new[rank]) for piece in old]
@@ -84,8 +88,10 @@ def reduce_scatter_pieces(
         raise ValueError(
             f"cannot reduce-scatter Partial({reduce_op!r}); valid: {sorted(_REDUCE_OPS)}"
         )
-    rank = dist.get_rank(group)
     flat = full.reshape(-1).contiguous()
+    if group.size() == 1:
+        return flat.clone()
+    rank = dist.get_rank(group)
     inputs = [flat[lo:hi] for lo, hi in ranges]
     out = torch.empty(ranges[rank][1] - ranges[rank][0], dtype=flat.dtype, device=flat.device)
     dist.reduce_scatter(out, inputs, op=_REDUCE_OPS[reduce_op], group=group)

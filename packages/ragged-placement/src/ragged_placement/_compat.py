@@ -4,7 +4,7 @@ Private names used by the rest of the package are re-exported from here (DTensor
 TensorMeta, OpSchema, OutputSharding, TorchDispatchMode, the p-norm Partial, process-group
 lookups, DTensor construction from a spec), so a torch upgrade is checked in one file.
 
-`install()` wraps five torch functions so that DTensors with a RaggedShard placement work with
+`install()` wraps six torch functions so that DTensors with a RaggedShard placement work with
 torch's own APIs. Each wrapper checks for a RaggedShard first and otherwise calls the original
 unchanged, so DTensors without one behave exactly as before:
 - `_redistribute.redistribute_local_tensor` (also bound in `_dispatch`): used by
@@ -12,6 +12,7 @@ unchanged, so DTensors without one behave exactly as before:
   redistribution;
 - `distribute_tensor` (in `torch.distributed.tensor` and its `_api` module);
 - `DTensor.from_local`: RaggedShard needs the global `shape`; the local piece is checked;
+- `to_local()`'s autograd backward, which cannot infer a RaggedShard gradient's stride;
 - `OpDispatcher._propagate_op_sharding_dispatch_slow_path` (called by the C++ DTensor
   dispatcher on a sharding-cache miss) and `ShardingPropagator.propagate` (the Python path).
 Tested on torch 2.13 and 2.14 (`nox -s tests`); other versions are refused at import with a
@@ -278,6 +279,24 @@ def install(hooks: Hooks) -> None:
         return original_slow_path(self, op_call, args, kwargs, op_info, *rest)
 
     setattr(dispatcher, "_propagate_op_sharding_dispatch_slow_path", slow_path)  # noqa: B010
+
+    # to_local()'s backward infers the global stride from placements torch knows; a RaggedShard
+    # gradient keeps the forward spec instead (the placements of the input, contiguous).
+    to_torch = dtensor_api._ToTorchTensor
+    original_to_local_backward = to_torch.backward
+
+    @functools.wraps(original_to_local_backward)
+    def to_local_backward(ctx: Any, grad_output: torch.Tensor | None) -> Any:
+        spec = ctx.dtensor_spec
+        if grad_output is None or not hooks.is_ragged(spec.placements):
+            return original_to_local_backward(ctx, grad_output)
+        placements = ctx.grad_placements or spec.placements
+        grad = DTensor.from_local(
+            grad_output, spec.mesh, placements, shape=spec.shape, stride=spec.stride
+        )
+        return grad, None
+
+    setattr(to_torch, "backward", staticmethod(to_local_backward))  # noqa: B010
 
     original_propagate = ShardingPropagator.propagate
 

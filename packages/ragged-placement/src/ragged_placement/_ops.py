@@ -145,10 +145,17 @@ def _foreach(op_schema: OpSchema, metas: Any) -> OutputSharding:
                 for a, ref in zip(arg, refs, strict=True)
             )
         if isinstance(arg, DTensorSpec) and any(r is not None for r in refs):
-            raise UnsupportedRaggedOpError(
-                f"{op_schema.op}: a single tensor operand next to RaggedShard lists is not "
-                "supported; pass a list"
-            )
+            # One tensor for every list entry (e.g. clip_grad_norm_'s clip coefficient):
+            # it must be a scalar, replicated so that every piece sees the same value.
+            if arg.ndim != 0:
+                raise UnsupportedRaggedOpError(
+                    f"{op_schema.op}: a single tensor operand of shape {tuple(arg.shape)} next to "
+                    "RaggedShard lists; only 0-dim tensors broadcast to every entry"
+                )
+            if not all(p.is_replicate() for p in arg.placements):
+                return DTensorSpec(
+                    arg.mesh, (Replicate(),) * arg.mesh.ndim, tensor_meta=arg.tensor_meta
+                )
         return arg
 
     new_args = tuple(align(a) for a in op_schema.args_schema)

@@ -1,0 +1,356 @@
+"""Checks that run on every rank of a RankPool (see rank_pool.py).
+
+Each check builds the full tensor from a fixed seed on every rank, applies the distributed
+operation, and compares with the single-process result on the full tensor. Byte counts are
+asserted with CommCounter against the exact volumes the module docs promise.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from ragged_placement import CommCounter, RaggedShard, flat_range, local_view
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _mesh() -> DeviceMesh:
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def _full(shape: tuple[int, ...], dtype: str = "fp32", seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=gen).to(DTYPES[dtype])
+
+
+def _ranges(units: tuple[int, ...], numel: int) -> list[tuple[int, int]]:
+    unit = numel // sum(units)
+    bounds = [0]
+    for u in units:
+        bounds.append(bounds[-1] + u * unit)
+    return list(itertools.pairwise(bounds))
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> int:
+    return max(0, min(a[1], b[1]) - max(a[0], b[0]))
+
+
+# -- distribute, from_local, full_tensor ---------------------------------------------------------
+
+
+def check_roundtrip(
+    shape: tuple[int, ...],
+    units: tuple[int, ...],
+    dims: tuple[int, ...],
+    dtype: str,
+    src: int | None,
+) -> dict[str, Any]:
+    mesh, rank = _mesh(), dist.get_rank()
+    full = _full(shape, dtype)
+    placement = RaggedShard(dims, units)
+    dt = distribute_tensor(full, mesh, [placement], src_data_rank=src)
+    lo, hi = _ranges(units, full.numel())[rank]
+    assert dt.placements == (placement,) and dt.shape == full.shape
+    assert dt.to_local().dim() == 1
+    assert torch.equal(dt.to_local(), full.reshape(-1)[lo:hi])
+    assert flat_range(dt) == (lo, hi)
+    assert local_view(dt).shape[1:] == full.shape[len(dims) :]
+    with CommCounter() as comms:
+        gathered = dt.full_tensor()
+    assert torch.equal(gathered, full)
+    itemsize = full.element_size()
+    assert comms.bytes_received == (full.numel() - (hi - lo)) * itemsize, comms.collectives
+    again = DTensor.from_local(dt.to_local(), mesh, [placement], shape=full.shape)
+    assert torch.equal(again.full_tensor(), full)
+    return {"received": comms.bytes_received, "kinds": dict(comms.counts())}
+
+
+def check_redistribute(
+    shape: tuple[int, ...], old: tuple[int, ...], new: tuple[int, ...], dtype: str
+) -> None:
+    mesh, rank, world = _mesh(), dist.get_rank(), dist.get_world_size()
+    full = _full(shape, dtype, seed=1)
+    size, numel = full.element_size(), full.numel()
+    a, b = RaggedShard((0,), old), RaggedShard((0,), new)
+    dt = distribute_tensor(full, mesh, [a], src_data_rank=None)
+    old_r, new_r = _ranges(old, numel), _ranges(new, numel)
+
+    # RaggedShard -> RaggedShard: only the overlaps that move, one all-to-all.
+    with CommCounter() as comms:
+        moved = dt.redistribute(mesh, [b])
+    assert torch.equal(moved.to_local(), full.reshape(-1)[new_r[rank][0] : new_r[rank][1]])
+    sent = sum(_overlap(old_r[rank], new_r[j]) for j in range(world) if j != rank)
+    received = sum(_overlap(old_r[j], new_r[rank]) for j in range(world) if j != rank)
+    assert (comms.bytes_sent, comms.bytes_received) == (sent * size, received * size), (
+        comms.collectives
+    )
+    assert comms.counts() == ({"all_to_all": 1} if world > 1 and old != new else {}), comms.counts()
+
+    # Replicate -> RaggedShard: no communication at all.
+    rep = distribute_tensor(full, mesh, [Replicate()], src_data_rank=None)
+    with CommCounter() as comms:
+        sliced = rep.redistribute(mesh, [a])
+    assert comms.collectives == [] and torch.equal(sliced.to_local(), dt.to_local())
+
+    # Shard(0) <-> RaggedShard: a Shard(0) chunk is a flat range, so one exchange each way.
+    shard0 = dt.redistribute(mesh, [Shard(0)])
+    assert torch.equal(
+        shard0.to_local(), distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None).to_local()
+    )
+    with CommCounter() as comms:
+        back = shard0.redistribute(mesh, [a])
+    assert torch.equal(back.to_local(), dt.to_local())
+    assert set(comms.counts()) <= {"all_to_all"}
+
+    # Shard(d) for the last dim, both ways.
+    last = full.dim() - 1
+    shard_last = dt.redistribute(mesh, [Shard(last)])
+    assert torch.equal(shard_last.full_tensor(), full)
+    assert torch.equal(shard_last.redistribute(mesh, [a]).to_local(), dt.to_local())
+
+    # Partial -> RaggedShard: a reduce-scatter's volume, not an all-reduce's.
+    partial = DTensor.from_local(full * (rank + 1), mesh, [Partial()], run_check=False)
+    with CommCounter() as comms:
+        reduced = partial.redistribute(mesh, [b])
+    expected = (
+        (full.float() * (world * (world + 1) / 2))
+        .to(full.dtype)
+        .reshape(-1)[new_r[rank][0] : new_r[rank][1]]
+    )
+    torch.testing.assert_close(reduced.to_local(), expected, rtol=1e-2, atol=1e-2)
+    if world > 1:
+        assert comms.counts() == {"reduce_scatter": 1}
+        assert comms.bytes_sent == (numel - (new_r[rank][1] - new_r[rank][0])) * size
+
+
+def check_one_hot_gather(shape: tuple[int, ...], owner: int) -> dict[str, int]:
+    mesh, rank, world = _mesh(), dist.get_rank(), dist.get_world_size()
+    full = _full(shape, seed=2)
+    balanced = RaggedShard((0,), (1,) * world)
+    one_hot = RaggedShard((0,), tuple(int(r == owner) for r in range(world)))
+    dt = distribute_tensor(full, mesh, [balanced], src_data_rank=None)
+    with CommCounter() as comms:
+        gathered = dt.redistribute(mesh, [one_hot])
+    if rank == owner:
+        assert torch.equal(gathered.to_local(), full.reshape(-1))
+        assert torch.equal(local_view(gathered), full)
+    else:
+        assert gathered.to_local().numel() == 0
+        assert comms.bytes_received == 0
+    back = gathered.redistribute(mesh, [balanced])
+    assert torch.equal(back.to_local(), dt.to_local())
+    return {"received": comms.bytes_received, "sent": comms.bytes_sent}
+
+
+# -- autograd --------------------------------------------------------------------------------
+
+
+def check_autograd(shape: tuple[int, ...], units: tuple[int, ...]) -> None:
+    mesh = _mesh()
+    full = _full(shape, seed=3)
+    weights = _full(shape, seed=4)
+    placement = RaggedShard((0,), units)
+    x = distribute_tensor(full, mesh, [placement], src_data_rank=None).requires_grad_()
+    y = x.full_tensor()
+    loss = (y * weights).sum()
+    with CommCounter() as comms:
+        loss.backward()
+    # Replicate -> RaggedShard for the gradient is a local slice: nothing is sent.
+    assert comms.collectives == [], comms.collectives
+    assert x.grad is not None and x.grad.placements == (placement,)
+    assert torch.equal(x.grad.full_tensor(), weights)
+
+    z = distribute_tensor(full, mesh, [placement], src_data_rank=None).requires_grad_()
+    other = RaggedShard((0,), tuple(reversed(units)))
+    (z.redistribute(mesh, [other]).to_local() * 2).sum().backward()
+    assert z.grad is not None and z.grad.placements == (placement,)
+    assert torch.equal(z.grad.full_tensor(), torch.full_like(full, 2.0))
+
+
+# -- ops -------------------------------------------------------------------------------------
+
+
+def check_elementwise(shape: tuple[int, ...], units: tuple[int, ...], dtype: str) -> None:
+    mesh = _mesh()
+    a_full, b_full = _full(shape, dtype, 5), _full(shape, dtype, 6)
+    placement = RaggedShard((0,), units)
+    a = distribute_tensor(a_full, mesh, [placement], src_data_rank=None)
+    b = distribute_tensor(b_full, mesh, [placement], src_data_rank=None)
+    rep = distribute_tensor(b_full, mesh, [Replicate()], src_data_rank=None)
+    scalar = distribute_tensor(torch.tensor(3.0, dtype=DTYPES[dtype]), mesh, [Replicate()])
+    cases = {
+        "a*2+1": (a * 2 + 1, a_full * 2 + 1),
+        "a+b": (a + b, a_full + b_full),
+        "a*rep": (a * rep, a_full * b_full),
+        "a/scalar": (a / scalar, a_full / 3.0),
+        "where": (torch.where(a > 0, a, b), torch.where(a_full > 0, a_full, b_full)),
+        "sqrt(abs)": (a.abs().sqrt(), a_full.abs().sqrt()),
+        "zeros_like": (torch.zeros_like(a), torch.zeros_like(a_full)),
+        "to fp32": (a.to(torch.float32), a_full.to(torch.float32)),
+    }
+    for name, (got, want) in cases.items():
+        assert got.placements == (placement,), (name, got.placements)
+        assert got.dtype == want.dtype, name
+        torch.testing.assert_close(got.full_tensor(), want, msg=name)
+    c = a.clone()
+    c.mul_(b).add_(1.0)
+    torch.testing.assert_close(c.full_tensor(), a_full * b_full + 1.0)
+    outs = torch._foreach_add([a, b], [b, a])
+    for out in outs:
+        assert out.placements == (placement,)
+        torch.testing.assert_close(out.full_tensor(), a_full + b_full)
+    torch._foreach_mul_([c, a], 0.5)
+    torch.testing.assert_close(a.full_tensor(), a_full * 0.5)
+    broadcast = distribute_tensor(b_full[0], mesh, [Replicate()])
+    try:
+        _ = a + broadcast
+    except NotImplementedError as exc:
+        assert "cannot broadcast" in str(exc), exc
+    else:
+        raise AssertionError("broadcasting against a RaggedShard tensor must raise")
+
+
+def check_reductions(shape: tuple[int, ...], units: tuple[int, ...]) -> None:
+    mesh = _mesh()
+    full = _full(shape, seed=7)
+    placement = RaggedShard((0,), units)
+    dt = distribute_tensor(full, mesh, [placement], src_data_rank=None)
+    torch.testing.assert_close(dt.sum().full_tensor(), full.sum())
+    torch.testing.assert_close(dt.mean().full_tensor(), full.mean())
+    for ord_ in (2, 1, 3.5):
+        got = torch.linalg.vector_norm(dt, ord=ord_).full_tensor()
+        torch.testing.assert_close(got, torch.linalg.vector_norm(full, ord=ord_))
+    if all(units):  # max over an empty piece has no identity (torch raises)
+        got = torch.linalg.vector_norm(dt, ord=math.inf).full_tensor()
+        torch.testing.assert_close(got, full.abs().max())
+    norms = torch._foreach_norm([dt, dt * 2])
+    torch.testing.assert_close(norms[1].full_tensor(), torch.linalg.vector_norm(full * 2))
+
+
+def check_clip_grad_norm(units: tuple[int, ...]) -> None:
+    mesh = _mesh()
+    shapes = {"ragged": (12, 4), "shard": (9, 3), "rep": (5,)}
+    placements = {"ragged": [RaggedShard((0,), units)], "shard": [Shard(0)], "rep": [Replicate()]}
+    ref_params, params = [], []
+    for i, (name, shape) in enumerate(shapes.items()):
+        value, grad = _full(shape, seed=10 + i), _full(shape, seed=20 + i)
+        ref = torch.nn.Parameter(value.clone())
+        ref.grad = grad.clone()
+        ref_params.append(ref)
+        p = torch.nn.Parameter(distribute_tensor(value, mesh, placements[name], src_data_rank=None))
+        p.grad = distribute_tensor(grad, mesh, placements[name], src_data_rank=None)
+        params.append(p)
+    for foreach in (False, True):
+        ref_total = torch.nn.utils.clip_grad_norm_(ref_params, max_norm=0.5, foreach=foreach)
+        total = torch.nn.utils.clip_grad_norm_(params, max_norm=0.5, foreach=foreach)
+        total = total.full_tensor() if isinstance(total, DTensor) else total
+        torch.testing.assert_close(total, ref_total)
+        for p, ref in zip(params, ref_params, strict=True):
+            assert p.grad is not None and ref.grad is not None
+            torch.testing.assert_close(p.grad.full_tensor(), ref.grad)
+
+
+def check_optimizer(
+    name: str, foreach: bool, units_a: tuple[int, ...], units_b: tuple[int, ...]
+) -> None:
+    mesh = _mesh()
+    shapes = [(4 * sum(units_a), 3), (2 * sum(units_b),)]
+    placements = [RaggedShard((0,), units_a), RaggedShard((0,), units_b)]
+    make = {
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=foreach),
+        "adam": lambda ps: torch.optim.Adam(ps, lr=0.01, foreach=foreach),
+        "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, foreach=foreach),
+    }[name]
+    ref = [torch.nn.Parameter(_full(s, seed=30 + i)) for i, s in enumerate(shapes)]
+    dist_params = [
+        torch.nn.Parameter(distribute_tensor(p.detach().clone(), mesh, [pl], src_data_rank=None))
+        for p, pl in zip(ref, placements, strict=True)
+    ]
+    ref_opt, opt = make(ref), make(dist_params)
+    for step in range(3):
+        for i, (r, d) in enumerate(zip(ref, dist_params, strict=True)):
+            grad = _full(r.shape, seed=100 * step + i)
+            r.grad = grad.clone()
+            d.grad = distribute_tensor(grad, mesh, [placements[i]], src_data_rank=None)
+        ref_opt.step()
+        opt.step()
+    for r, d in zip(ref, dist_params, strict=True):
+        assert d.placements[0] in placements
+        torch.testing.assert_close(d.full_tensor(), r.detach())
+
+
+# -- meshes with more than one axis ------------------------------------------------------------
+
+
+def check_hsdp(shape: tuple[int, ...], units: tuple[int, int]) -> None:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    full = _full(shape, seed=8)
+    placement = RaggedShard((0,), units)
+    dt = distribute_tensor(full, mesh, [Replicate(), placement], src_data_rank=None)
+    lo, hi = _ranges(units, full.numel())[mesh.get_local_rank("shard")]
+    assert torch.equal(dt.to_local(), full.reshape(-1)[lo:hi])
+    with CommCounter() as comms:
+        assert torch.equal(dt.full_tensor(), full)
+    assert all(c.group_size == 2 for c in comms.collectives), comms.collectives
+    other = RaggedShard((0,), tuple(reversed(units)))
+    assert torch.equal(dt.redistribute(mesh, [Replicate(), other]).full_tensor(), full)
+    assert torch.equal(dt.redistribute(mesh, [Shard(0), Replicate()]).full_tensor(), full)
+    grads = DTensor.from_local(
+        full * (dist.get_rank() + 1), mesh, [Partial(), Partial()], run_check=False
+    )
+    reduced = grads.redistribute(mesh, [Replicate(), placement])
+    torch.testing.assert_close(reduced.full_tensor(), full * 10)
+    torch.testing.assert_close((dt * 2).sum().full_tensor(), full.sum() * 2)
+
+
+# -- bad input -------------------------------------------------------------------------------
+
+
+def _raises(fn: Any, match: str) -> None:
+    try:
+        fn()
+    except ValueError as exc:
+        assert match in str(exc), f"expected {match!r} in {exc}"
+    else:
+        raise AssertionError(f"expected ValueError matching {match!r}")
+
+
+def check_bad_input() -> None:
+    mesh, world = _mesh(), dist.get_world_size()
+    full = _full((4 * world, 3))
+    ok = (1,) * world
+    _raises(
+        lambda: distribute_tensor(full, mesh, [RaggedShard((0,), (1,) * (world + 1))]),
+        "local_units (the axis size)",
+    )
+    _raises(
+        lambda: distribute_tensor(
+            torch.randn(world * 2 + 1, 3), mesh, [RaggedShard((0,), (2,) + (0,) * (world - 1))]
+        ),
+        "whole rows",
+    )
+    _raises(
+        lambda: distribute_tensor(full.t(), mesh, [RaggedShard((0,), ok)]), "must be contiguous"
+    )
+    _raises(
+        lambda: DTensor.from_local(torch.randn(3), mesh, [RaggedShard((0,), ok)]), "needs shape="
+    )
+    _raises(
+        lambda: DTensor.from_local(torch.randn(5), mesh, [RaggedShard((0,), ok)], shape=full.shape),
+        "must be 1-D with 12 elements",
+    )
+    if world >= 2:
+        mesh2 = init_device_mesh("cpu", (world // 2, 2)) if world % 2 == 0 else None
+        if mesh2 is not None:
+            two = [RaggedShard((0,), (1,) * (world // 2)), RaggedShard((0,), (1, 1))]
+            _raises(lambda: distribute_tensor(full, mesh2, two), "at most one RaggedShard")
+    other_mesh = init_device_mesh("cpu", (world,))
+    dt = distribute_tensor(full, mesh, [RaggedShard((0,), ok)])
+    if other_mesh != mesh:
+        _raises(lambda: dt.redistribute(other_mesh, [Replicate()]), "across meshes")

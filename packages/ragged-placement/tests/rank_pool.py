@@ -1,0 +1,129 @@
+"""A pool of gloo ranks kept alive across tests: spawn once, run many checks.
+
+Spawning a process group costs seconds on 2 cores, so each world size gets one pool per test
+module; `RankPool.run(fn, *args)` runs an importable function on every rank and returns the
+per-rank results, or raises with the failing rank's traceback. A rank that does not answer
+within the timeout fails the test (and the pool is rebuilt) instead of hanging the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+TIMEOUT_S = 180
+
+
+def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    import ragged_placement  # noqa: F401  (installs the DTensor hooks)
+
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args = task
+        try:
+            results.put((rank, True, fn(*args)))
+        except BaseException:
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """`world_size` spawned ranks joined in one gloo process group."""
+
+    def __init__(self, world_size: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self._dir = tempfile.TemporaryDirectory()
+        init_file = os.path.join(self._dir.name, "rendezvous")
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._results = ctx.Queue()
+        self._procs = [
+            ctx.Process(
+                target=_worker,
+                args=(rank, world_size, init_file, self._tasks[rank], self._results),
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        for proc in self._procs:
+            proc.start()
+        self.broken = False
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = TIMEOUT_S) -> list[Any]:
+        """Runs fn(*args) on every rank; returns the results in rank order."""
+        for tasks in self._tasks:
+            tasks.put((fn, args))
+        results: dict[int, Any] = {}
+        failures: list[str] = []
+        for _ in range(self.world_size):
+            try:
+                rank, ok, value = self._results.get(timeout=timeout)
+            except queue.Empty:
+                self.broken = True
+                self.close()
+                missing = sorted(set(range(self.world_size)) - set(results))
+                raise TimeoutError(
+                    f"ranks {missing} did not finish {fn.__name__} in {timeout} s"
+                ) from None
+            if ok:
+                results[rank] = value
+            else:
+                failures.append(f"rank {rank}:\n{value}")
+                results[rank] = None
+        if failures:
+            self.broken = True  # a failed collective can leave the group out of step
+            self.close()
+            raise AssertionError(
+                f"{fn.__name__} failed on {len(failures)} rank(s)\n" + "\n".join(failures)
+            )
+        return [results[r] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        """Stops the ranks."""
+        for tasks in self._tasks:
+            with contextlib.suppress(ValueError, OSError):
+                tasks.put(None)
+        for proc in self._procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+        self._dir.cleanup()
+
+
+class Pools:
+    """One lazily started RankPool per world size, rebuilt after a failure."""
+
+    def __init__(self) -> None:
+        self._pools: dict[int, RankPool] = {}
+
+    def __getitem__(self, world_size: int) -> RankPool:
+        pool = self._pools.get(world_size)
+        if pool is None or pool.broken:
+            pool = self._pools[world_size] = RankPool(world_size)
+        return pool
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            if not pool.broken:
+                pool.close()

@@ -1,0 +1,58 @@
+"""RaggedShard as a value: validation and flat-range math (single process)."""
+
+import pickle
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from ragged_placement import RaggedShard
+
+
+def test_value_semantics() -> None:
+    a = RaggedShard((0,), (1, 2, 0))
+    assert a == RaggedShard([0], [1, 2, 0]) and hash(a) == hash(RaggedShard((0,), (1, 2, 0)))
+    assert a != RaggedShard((0,), (1, 2, 1)) and a != RaggedShard((0, 1), (1, 2, 0))
+    assert repr(a) == "RaggedShard(dims=(0,), local_units=(1, 2, 0))"
+    assert pickle.loads(pickle.dumps(a)) == a
+    assert not (a.is_shard() or a.is_replicate() or a.is_partial())
+    with pytest.raises(AttributeError, match="immutable"):
+        a.local_units = (1,)
+
+
+@pytest.mark.parametrize(
+    ("dims", "units", "error", "match"),
+    [
+        ((1,), (1, 1), ValueError, r"prefix \(0, 1, ..., k-1\).*got \(1,\)"),
+        ((), (1, 1), ValueError, "non-empty prefix"),
+        ((0,), (), ValueError, "one entry per rank"),
+        ((0,), (1, -1), ValueError, r"must be >= 0, got \(1, -1\)"),
+        ((0,), (0, 0), ValueError, r"must not be all zero, got \(0, 0\)"),
+        ((0,), (1.0, 1), TypeError, "must hold ints"),
+        (0, (1,), TypeError, "tuple of ints"),
+    ],
+)
+def test_rejects_bad_values(dims, units, error, match) -> None:
+    with pytest.raises(error, match=match):
+        RaggedShard(dims, units)
+
+
+def test_units_must_be_whole_rows() -> None:
+    with pytest.raises(ValueError, match="whole rows of 3 elements"):
+        RaggedShard((0,), (1, 1)).flat_ranges((3, 3), 2)
+    with pytest.raises(ValueError, match="has 2 local_units but the mesh axis has 3"):
+        RaggedShard((0,), (1, 1)).flat_ranges((4, 3), 3)
+    assert RaggedShard((0, 1), (1, 1)).flat_ranges((1, 4, 3), 2) == ((0, 6), (6, 12))
+
+
+@given(
+    st.lists(st.integers(0, 5), min_size=1, max_size=8).filter(any),
+    st.integers(0, 4),
+    st.integers(1, 4),
+)
+def test_flat_ranges_tile_the_tensor(units, rows_per_unit, row) -> None:
+    placement = RaggedShard((0,), tuple(units))
+    shape = (sum(units) * rows_per_unit, row)
+    ranges = placement.flat_ranges(shape, len(units))
+    assert ranges[0][0] == 0 and ranges[-1][1] == shape[0] * row
+    for (a0, a1), (b0, _), u in zip(ranges, (*ranges[1:], (ranges[-1][1], 0)), units, strict=True):
+        assert a1 == b0 and a1 - a0 == u * rows_per_unit * row
