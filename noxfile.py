@@ -161,12 +161,16 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def bench(session: nox.Session) -> None:
-    """Run a benchmark script: `nox -s bench -- planner` (speed and quality of the planner)."""
+    """Run a benchmark: `nox -s bench -- planner` or `nox -s bench -- placement [--quick]`."""
     which = session.posargs[0] if session.posargs else "planner"
+    scripts = {
+        "planner": "packages/shard-planner/benchmarks/bench_planner.py",
+        "placement": "packages/ragged-placement/benchmarks/bench_placement.py",
+    }
+    if which not in scripts:
+        session.error(f"unknown benchmark {which!r}; valid: {', '.join(scripts)}")
     if which == "planner":
         session.install("-e", "packages/shard-planner")
-        session.run(
-            "python", "packages/shard-planner/benchmarks/bench_planner.py", *session.posargs[1:]
-        )
     else:
-        session.error(f"unknown benchmark {which!r}; valid: planner")
+        _install_members(session, TORCH_DEFAULT)
+    session.run("python", scripts[which], *session.posargs[1:])

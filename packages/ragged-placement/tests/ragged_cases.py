@@ -13,9 +13,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from ragged_placement import CommCounter, RaggedShard, flat_range, local_view
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+from ragged_placement import CommCounter, RaggedShard, flat_range, local_view
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -3,6 +3,7 @@ import subprocess
 import sys
 
 import pytest
+
 from shard_planner import Layout
 from shard_planner._cli import main
 

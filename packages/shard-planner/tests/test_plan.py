@@ -5,6 +5,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from planner_checker import exact_shard_size, violations
+
 from shard_planner import LayoutError, TensorSpec, lower_bound, plan_layout
 
 # -- random instances -------------------------------------------------------------------------

@@ -1,4 +1,5 @@
 import pytest
+
 from shard_planner import fsdp2_padding, load_preset, plan_layout, preset_names
 from shard_planner._presets import parse_model
 

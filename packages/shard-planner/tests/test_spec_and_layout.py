@@ -1,6 +1,7 @@
 import json
 
 import pytest
+
 from shard_planner import Layout, LayoutError, TensorSpec, plan_layout
 
 

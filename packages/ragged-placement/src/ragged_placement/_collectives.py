@@ -4,10 +4,11 @@ All functions work on one mesh axis (one process group of m ranks, this rank r) 
 pieces: rank j's piece is the range ranges[j] of the flattened tensor (or local block).
 
 What each path sends (N = elements of the tensor, n_j = elements of rank j's piece):
-- `gather_pieces` (RaggedShard -> Replicate): one broadcast per non-empty piece, from its
-  owner, into the output in place. Every rank receives exactly N - n_r elements, the ones it
-  lacks. Gloo has no uneven list all_gather, and padding every piece to the largest would
-  send up to m * max(n_j) elements; broadcasts need neither padding nor staging copies.
+- `gather_pieces` (RaggedShard -> Replicate): with equal pieces one all-gather into the
+  output; otherwise one broadcast per non-empty piece, from its owner, into the output in
+  place. Either way every rank receives exactly N - n_r elements, the ones it lacks. Gloo has
+  no uneven list all_gather, and padding every piece to the largest would send up to
+  m * max(n_j) elements; broadcasts need neither padding nor staging copies.
 - `exchange_pieces` (RaggedShard -> RaggedShard, Shard(0) <-> RaggedShard): one
   all_to_all_single with uneven splits; rank r sends rank j exactly the overlap of its old
   piece with j's new piece, and nothing crosses the wire for the part it keeps. Input and
@@ -46,6 +47,10 @@ def gather_pieces(
     """Every rank's piece, assembled into a new flat tensor of `numel` elements."""
     rank = dist.get_rank(group)
     out = torch.empty(numel, dtype=local.dtype, device=local.device)
+    if group.size() > 1 and len({hi - lo for lo, hi in ranges}) == 1:
+        # Equal pieces: one all-gather straight into the output, still exact and copy-free.
+        dist.all_gather_single(out, local.reshape(-1).contiguous(), group=group)
+        return out
     start, end = ranges[rank]
     out[start:end].copy_(local.reshape(-1))
     if group.size() == 1:
