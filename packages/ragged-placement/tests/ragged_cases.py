@@ -355,3 +355,48 @@ def check_bad_input() -> None:
     dt = distribute_tensor(full, mesh, [RaggedShard((0,), ok)])
     if other_mesh != mesh:
         _raises(lambda: dt.redistribute(other_mesh, [Replicate()]), "across meshes")
+
+
+# -- torch.distributed.checkpoint ---------------------------------------------------------------
+
+
+def _checkpoint_tensors() -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    # name -> (shape, dims); sizes divisible by every unit sum used in the tests (1..12).
+    return {"w": ((24, 5, 4), (0, 1)), "b": ((48,), (0,)), "m": ((12, 32768), (0,))}
+
+
+def check_dcp_save(path: str, units: tuple[int, ...]) -> dict[str, int]:
+    import torch.distributed.checkpoint as dcp
+
+    mesh = _mesh()
+    state = {
+        name: distribute_tensor(
+            _full(shape, seed=40 + i), mesh, [RaggedShard(dims, units)], src_data_rank=None
+        )
+        for i, (name, (shape, dims)) in enumerate(_checkpoint_tensors().items())
+    }
+    with CommCounter() as comms:
+        dcp.save(state, checkpoint_id=path)
+    data = sum(t.to_local().numel() * t.element_size() for t in state.values())
+    return {"collective_bytes": comms.bytes_sent + comms.bytes_received, "data_bytes": data}
+
+
+def check_dcp_load(path: str, kind: str, units: tuple[int, ...]) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    mesh = _mesh()
+    state = {}
+    for name, (shape, dims) in _checkpoint_tensors().items():
+        placement = {
+            "ragged": RaggedShard(dims, units),
+            "shard0": Shard(0),
+            "replicate": Replicate(),
+        }[kind]
+        state[name] = distribute_tensor(torch.zeros(shape), mesh, [placement], src_data_rank=None)
+    dcp.load(state, checkpoint_id=path)
+    for i, (name, (shape, _)) in enumerate(_checkpoint_tensors().items()):
+        assert torch.equal(state[name].full_tensor(), _full(shape, seed=40 + i)), (
+            name,
+            kind,
+            units,
+        )

@@ -109,3 +109,16 @@ def test_hsdp_on_a_2x2_mesh(pools) -> None:
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_bad_input_raises_value_error(pools, world) -> None:
     pools[world].run(cases.check_bad_input)
+
+
+def test_checkpoint_save_on_4_load_on_2_3_4(pools, tmp_path) -> None:
+    path = str(tmp_path / "ckpt")
+    results = pools[4].run(cases.check_dcp_save, path, (1, 0, 4, 7))
+    total = sum(r["data_bytes"] for r in results)
+    for r in results:
+        # Only plans and metadata cross ranks (tens of KB), never the tensor data (1.5 MB).
+        assert r["collective_bytes"] < 0.05 * total, (r, total)
+    pools[4].run(cases.check_dcp_load, path, "ragged", (3, 1, 1, 1))
+    for world, units in ((2, (1, 2)), (3, (0, 1, 1))):
+        for kind in ("ragged", "shard0", "replicate"):
+            pools[world].run(cases.check_dcp_load, path, kind, units)

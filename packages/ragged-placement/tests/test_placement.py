@@ -57,3 +57,24 @@ def test_flat_ranges_tile_the_tensor(units, rows_per_unit, row) -> None:
     assert ranges[0][0] == 0 and ranges[-1][1] == shape[0] * row
     for (a0, a1), (b0, _), u in zip(ranges, (*ranges[1:], (ranges[-1][1], 0)), units, strict=True):
         assert a1 == b0 and a1 - a0 == u * rows_per_unit * row
+
+
+@given(st.lists(st.integers(1, 5), min_size=1, max_size=4), st.data())
+def test_checkpoint_boxes_tile_a_flat_range_in_order(shape, data) -> None:
+    import math
+
+    from ragged_placement._checkpoint import flat_range_boxes
+
+    numel = math.prod(shape)
+    lo = data.draw(st.integers(0, numel))
+    hi = data.draw(st.integers(lo, numel))
+    strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+    cursor = lo
+    for offsets, sizes in flat_range_boxes(lo, hi, shape):
+        # Each box is a contiguous run of the flat range, starting where the last one ended.
+        start = sum(o * s for o, s in zip(offsets, strides, strict=True))
+        assert start == cursor
+        assert all(o + n <= d for o, n, d in zip(offsets, sizes, shape, strict=True))
+        assert all(n == d for n, d in zip(sizes[1:], shape[1:], strict=True)) or sizes[0] == 1
+        cursor += math.prod(sizes)
+    assert cursor == hi

@@ -4,7 +4,7 @@ Private names used by the rest of the package are re-exported from here (DTensor
 TensorMeta, OpSchema, OutputSharding, TorchDispatchMode, the p-norm Partial, process-group
 lookups, DTensor construction from a spec), so a torch upgrade is checked in one file.
 
-`install()` wraps six torch functions so that DTensors with a RaggedShard placement work with
+`install()` wraps these torch entry points so that DTensors with a RaggedShard placement work with
 torch's own APIs. Each wrapper checks for a RaggedShard first and otherwise calls the original
 unchanged, so DTensors without one behave exactly as before:
 - `_redistribute.redistribute_local_tensor` (also bound in `_dispatch`): used by
@@ -13,6 +13,8 @@ unchanged, so DTensors without one behave exactly as before:
 - `distribute_tensor` (in `torch.distributed.tensor` and its `_api` module);
 - `DTensor.from_local`: RaggedShard needs the global `shape`; the local piece is checked;
 - `to_local()`'s autograd backward, which cannot infer a RaggedShard gradient's stride;
+- `DTensor.__create_write_items__` / `__create_chunk_list__` / `__get_tensor_shard__`, through
+  which torch.distributed.checkpoint reads and writes a DTensor's chunks;
 - `OpDispatcher._propagate_op_sharding_dispatch_slow_path` (called by the C++ DTensor
   dispatcher on a sharding-cache miss) and `ShardingPropagator.propagate` (the Python path).
 Tested on torch 2.13 and 2.14 (`nox -s tests`); other versions are refused at import with a
@@ -188,6 +190,9 @@ class Hooks(Protocol):
     def propagate(
         self, schema: OpSchema, tensor_meta: Callable[[OpSchema], Any]
     ) -> OutputSharding: ...
+    def checkpoint_write_items(self, dt: DTensor, fqn: str) -> list[Any]: ...
+    def checkpoint_chunks(self, dt: DTensor) -> list[Any]: ...
+    def checkpoint_shard(self, dt: DTensor, index: Any) -> torch.Tensor: ...
 
 
 _installed: list[Hooks] = []
@@ -297,6 +302,33 @@ def install(hooks: Hooks) -> None:
         return grad, None
 
     setattr(to_torch, "backward", staticmethod(to_local_backward))  # noqa: B010
+
+    # torch.distributed.checkpoint asks a DTensor for its chunks through these dunders.
+    original_write_items = DTensor.__create_write_items__
+    original_chunk_list = DTensor.__create_chunk_list__
+    original_tensor_shard = DTensor.__get_tensor_shard__
+
+    @functools.wraps(original_write_items)
+    def create_write_items(self: DTensor, fqn: str, obj: Any) -> Any:
+        if hooks.is_ragged(self.placements):
+            return hooks.checkpoint_write_items(self, fqn)
+        return original_write_items(self, fqn, obj)
+
+    @functools.wraps(original_chunk_list)
+    def create_chunk_list(self: DTensor) -> Any:
+        if hooks.is_ragged(self.placements):
+            return hooks.checkpoint_chunks(self)
+        return original_chunk_list(self)  # type: ignore[no-untyped-call]
+
+    @functools.wraps(original_tensor_shard)
+    def get_tensor_shard(self: DTensor, index: Any) -> Any:
+        if hooks.is_ragged(self.placements):
+            return hooks.checkpoint_shard(self, index)
+        return original_tensor_shard(self, index)  # type: ignore[no-untyped-call]
+
+    setattr(DTensor, "__create_write_items__", create_write_items)  # noqa: B010
+    setattr(DTensor, "__create_chunk_list__", create_chunk_list)  # noqa: B010
+    setattr(DTensor, "__get_tensor_shard__", get_tensor_shard)  # noqa: B010
 
     original_propagate = ShardingPropagator.propagate
 

@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
+from ragged_placement._checkpoint import chunk_list, tensor_shard, write_items
 from ragged_placement._compat import (
     DTensorSpec,
     OpSchema,
@@ -100,3 +101,12 @@ class RaggedHooks:
 
     def propagate(self, schema: OpSchema, tensor_meta: Callable[[OpSchema], Any]) -> OutputSharding:
         return propagate(schema, tensor_meta)
+
+    def checkpoint_write_items(self, dt: DTensor, fqn: str) -> list[Any]:
+        return list(write_items(dt, fqn))
+
+    def checkpoint_chunks(self, dt: DTensor) -> list[Any]:
+        return list(chunk_list(dt))
+
+    def checkpoint_shard(self, dt: DTensor, index: Any) -> torch.Tensor:
+        return tensor_shard(dt, index)

@@ -19,7 +19,6 @@ that question ourselves (see `_compat.install`), for three families:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -35,6 +34,7 @@ from ragged_placement._compat import (
     norm_partial,
 )
 from ragged_placement._placement import RaggedShard
+from ragged_placement._redistribute import chunk_range
 
 aten = torch.ops.aten
 
@@ -252,8 +252,9 @@ def _shares(spec: DTensorSpec, axis: int) -> tuple[float, ...]:
         return tuple(u / total for u in p.local_units)
     assert isinstance(p, Shard)
     size, parts = spec.shape[p.dim], spec.mesh.size(axis)
-    chunk = math.ceil(size / parts) if size else 0
-    return tuple(max(0, min(chunk, size - i * chunk)) / size if size else 0.0 for i in range(parts))
+    if not size:
+        return (0.0,) * parts
+    return tuple((hi - lo) / size for lo, hi in (chunk_range(size, parts, i) for i in range(parts)))
 
 
 def propagate(op_schema: OpSchema, tensor_meta: Callable[[OpSchema], Any]) -> OutputSharding:

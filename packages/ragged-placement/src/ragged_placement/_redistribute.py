@@ -48,8 +48,8 @@ def check_placements(
             raise ValueError(f"{p!r} cuts dims {p.dims} but the tensor has shape {tuple(shape)}")
 
 
-def _chunk_range(size: int, parts: int, index: int) -> tuple[int, int]:
-    # torch.chunk semantics, as used by Shard(d).
+def chunk_range(size: int, parts: int, index: int) -> tuple[int, int]:
+    """[start, end) of part `index` when torch.chunk splits `size` into `parts` (Shard(d))."""
     chunk = math.ceil(size / parts) if size else 0
     lo = min(index * chunk, size)
     return lo, min(lo + chunk, size)
@@ -62,7 +62,7 @@ def block_shape(spec: DTensorSpec, skip_axis: int) -> list[int]:
     assert coordinate is not None, "the rank must be part of the mesh"
     for axis, p in enumerate(spec.placements):
         if axis != skip_axis and isinstance(p, Shard):
-            lo, hi = _chunk_range(shape[p.dim], spec.mesh.size(axis), coordinate[axis])
+            lo, hi = chunk_range(shape[p.dim], spec.mesh.size(axis), coordinate[axis])
             shape[p.dim] = hi - lo
     return shape
 
@@ -70,7 +70,7 @@ def block_shape(spec: DTensorSpec, skip_axis: int) -> list[int]:
 def _shard0_ranges(shape: Sequence[int], parts: int) -> list[tuple[int, int]]:
     row = math.prod(shape[1:])
     return [
-        (lo * row, hi * row) for lo, hi in (_chunk_range(shape[0], parts, i) for i in range(parts))
+        (lo * row, hi * row) for lo, hi in (chunk_range(shape[0], parts, i) for i in range(parts))
     ]
 
 
