@@ -32,6 +32,7 @@ TORCH_VERSIONS = ["2.13.0", "2.14.1"]
 TORCH_DEFAULT = "2.13.0"
 TORCH_GPU = "2.14.1"  # the CUDA build
 TEST_DEPS = ["pytest>=8", "hypothesis>=6.100"]
+TORCH_TEST_DEPS = [*TEST_DEPS, "numpy"]  # torch.distributed.checkpoint needs numpy
 
 nox.options.sessions = ["lint", "typecheck", "planner", "build", "tests"]
 
@@ -41,7 +42,7 @@ def _install_members(session: nox.Session, torch_version: str | None) -> None:
     args = [f"torch=={torch_version}"] if torch_version else []
     for folder in PACKAGES:
         args += ["-e", str(ROOT / "packages" / folder)]
-    session.install(*args, *TEST_DEPS)
+    session.install(*args, *TORCH_TEST_DEPS)
 
 
 @nox.session
