@@ -400,3 +400,50 @@ def check_dcp_load(path: str, kind: str, units: tuple[int, ...]) -> None:
             kind,
             units,
         )
+
+
+# -- FSDP x TP and EP x FSDP on a 2x2 mesh ----------------------------------------------------
+
+
+def check_with_tensor_parallel(layout: str, units: tuple[int, int], path: str) -> None:
+    """RaggedShard composed with Shard(d) of the other mesh axis: it cuts the local block.
+    "tp":  mesh (fsdp, tp), placements [RaggedShard, Shard(1)] on a (rows, cols) weight;
+    "ep":  mesh (ep, fsdp), placements [Shard(0), RaggedShard((0, 1))] on (experts, in, out).
+    """
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    if layout == "tp":
+        full = _full((6 * sum(units), 6), seed=50)
+        placements = [RaggedShard((0,), units), Shard(1)]
+        block = full[:, 3 * mesh.get_local_rank(1) : 3 * mesh.get_local_rank(1) + 3]
+        ragged_axis = 0
+    else:
+        full = _full((4, sum(units), 3), seed=51)
+        placements = [Shard(0), RaggedShard((0, 1), units)]
+        block = full[2 * mesh.get_local_rank(0) : 2 * mesh.get_local_rank(0) + 2]
+        ragged_axis = 1
+    dt = distribute_tensor(full, mesh, placements, src_data_rank=None)
+    lo, hi = _ranges(units, block.numel())[mesh.get_local_rank(ragged_axis)]
+    assert torch.equal(dt.to_local(), block.reshape(-1)[lo:hi])
+    assert torch.equal(dt.full_tensor(), full)
+    # Gather only the ragged axis: the other placement stays.
+    half = list(placements)
+    half[ragged_axis] = Replicate()
+    partly = dt.redistribute(mesh, half)
+    assert torch.equal(partly.to_local(), block)
+    assert torch.equal(partly.redistribute(mesh, placements).to_local(), dt.to_local())
+    torch.testing.assert_close((dt * 3).full_tensor(), full * 3)
+    torch.testing.assert_close(dt.mean().full_tensor(), full.mean())
+    torch.testing.assert_close(
+        torch.linalg.vector_norm(dt).full_tensor(), torch.linalg.vector_norm(full)
+    )
+    # Checkpoint: boxes in global coordinates, loaded back into other layouts.
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"x": dt}, checkpoint_id=path)
+    swapped = list(placements)
+    swapped[ragged_axis] = RaggedShard(placements[ragged_axis].dims, tuple(reversed(units)))
+    for target in (swapped, [Replicate(), Replicate()]):
+        into = {"x": distribute_tensor(torch.zeros_like(full), mesh, target, src_data_rank=None)}
+        dcp.load(into, checkpoint_id=path)
+        assert torch.equal(into["x"].full_tensor(), full), target

@@ -122,3 +122,9 @@ def test_checkpoint_save_on_4_load_on_2_3_4(pools, tmp_path) -> None:
     for world, units in ((2, (1, 2)), (3, (0, 1, 1))):
         for kind in ("ragged", "shard0", "replicate"):
             pools[world].run(cases.check_dcp_load, path, kind, units)
+
+
+@pytest.mark.parametrize("layout", ["tp", "ep"])
+def test_composition_with_shard_on_the_other_axis(pools, layout, tmp_path) -> None:
+    for i, units in enumerate([(1, 1), (3, 1), (0, 2)]):
+        pools[4].run(cases.check_with_tensor_parallel, layout, units, str(tmp_path / f"ckpt{i}"))
