@@ -93,6 +93,10 @@ def check_redistribute(
     )
     assert comms.counts() == ({"all_to_all": 1} if world > 1 and old != new else {}), comms.counts()
 
+    # async_op=True is accepted; RaggedShard paths complete before returning (see README).
+    assert torch.equal(dt.redistribute(mesh, [b], async_op=True).to_local(), moved.to_local())
+    assert torch.equal(dt.redistribute(mesh, [Replicate()], async_op=True).to_local(), full)
+
     # Replicate -> RaggedShard: no communication at all.
     rep = distribute_tensor(full, mesh, [Replicate()], src_data_rank=None)
     with CommCounter() as comms:

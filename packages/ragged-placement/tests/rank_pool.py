@@ -46,6 +46,7 @@ def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any
         except BaseException:
             results.put((rank, False, traceback.format_exc()))
     dist.destroy_process_group()
+    os._exit(0)  # interpreter teardown after gloo work can abort spuriously
 
 
 class RankPool:
