@@ -111,7 +111,14 @@ def check_redistribute(
     with CommCounter() as comms:
         back = shard0.redistribute(mesh, [a])
     assert torch.equal(back.to_local(), dt.to_local())
-    assert set(comms.counts()) <= {"all_to_all"}
+    rows, row = shape[0], numel // shape[0]
+    chunk = -(-rows // world)
+    s0_ranges = [
+        (min(j * chunk, rows) * row, min((j + 1) * chunk, rows) * row) for j in range(world)
+    ]
+    s0_sent = sum(_overlap(s0_ranges[rank], old_r[j]) for j in range(world) if j != rank)
+    s0_received = sum(_overlap(s0_ranges[j], old_r[rank]) for j in range(world) if j != rank)
+    assert (comms.bytes_sent, comms.bytes_received) == (s0_sent * size, s0_received * size)
 
     # Shard(d) for the last dim, both ways.
     last = full.dim() - 1
@@ -132,6 +139,20 @@ def check_redistribute(
     if world > 1:
         assert comms.counts() == {"reduce_scatter": 1}
         assert comms.bytes_sent == (numel - (new_r[rank][1] - new_r[rank][0])) * size
+
+
+def check_counter_sees_torch_collectives(rows: int) -> None:
+    mesh, rank, world = _mesh(), dist.get_rank(), dist.get_world_size()
+    full = _full((rows, 4), seed=9)
+    dt = distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None)
+    with CommCounter() as comms:
+        dt.full_tensor()  # torch's own path: a functional all-gather
+    if world > 1:
+        assert comms.counts() == {"all_gather": 1}, comms.collectives
+        assert comms.collectives[0].op.startswith("_c10d_functional")
+        assert comms.collectives[0].group_size == world
+        assert comms.bytes_received == dt.to_local().numel() * 4 * (world - 1)
+    assert rank < world
 
 
 def check_one_hot_gather(shape: tuple[int, ...], owner: int) -> dict[str, int]:
@@ -355,10 +376,16 @@ def check_bad_input() -> None:
         if mesh2 is not None:
             two = [RaggedShard((0,), (1,) * (world // 2)), RaggedShard((0,), (1, 1))]
             _raises(lambda: distribute_tensor(full, mesh2, two), "at most one RaggedShard")
-    other_mesh = init_device_mesh("cpu", (world,))
-    dt = distribute_tensor(full, mesh, [RaggedShard((0,), ok)])
-    if other_mesh != mesh:
-        _raises(lambda: dt.redistribute(other_mesh, [Replicate()]), "across meshes")
+    if world % 2 == 0:
+        # A mesh of another shape over the same ranks is a different mesh.
+        other_mesh = init_device_mesh("cpu", (2, world // 2))
+        dt = distribute_tensor(full, mesh, [RaggedShard((0,), ok)])
+        try:
+            dt.redistribute(other_mesh, [Replicate(), Replicate()])
+        except (ValueError, NotImplementedError, RuntimeError) as exc:
+            assert "mesh" in str(exc).lower(), exc
+        else:
+            raise AssertionError("redistributing onto another mesh must raise")
 
 
 # -- torch.distributed.checkpoint ---------------------------------------------------------------

@@ -57,6 +57,11 @@ def test_redistribute_paths_and_bytes(pools, world) -> None:
                 pools[world].run(cases.check_redistribute, shape, old, new, dtype)
 
 
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_comm_counter_sees_torch_collectives(pools, world) -> None:
+    pools[world].run(cases.check_counter_sees_torch_collectives, 4 * world)
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_one_hot_gather_moves_data_only_to_the_owner(pools, world) -> None:
     owner = world - 1
