@@ -478,3 +478,48 @@ def check_with_tensor_parallel(layout: str, units: tuple[int, int], path: str) -
         into = {"x": distribute_tensor(torch.zeros_like(full), mesh, target, src_data_rank=None)}
         dcp.load(into, checkpoint_id=path)
         assert torch.equal(into["x"].full_tensor(), full), target
+
+
+def check_strided(units: tuple[int, int], path: str) -> None:
+    """StridedRaggedShard on (fsdp, tp): ragged pieces of the whole tensor, split by tp rows."""
+    import torch.distributed.checkpoint as dcp
+
+    from ragged_placement import StridedRaggedShard
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    r, t = mesh.get_local_rank(0), mesh.get_local_rank(1)
+    full = _full((5 * sum(units), 3), seed=60)
+    placements = [StridedRaggedShard((0,), units, split_factor=2), Shard(0)]
+    dt = distribute_tensor(full, mesh, placements, src_data_rank=None)
+    first = 5 * sum(units[:r])
+    piece = full[first : first + 5 * units[r]]
+    size = -(-piece.shape[0] // 2)  # torch.chunk semantics: ceil-sized parts, last ones short
+    chunk = piece[min(t * size, piece.shape[0]) : min((t + 1) * size, piece.shape[0])]
+    assert torch.equal(local_view(dt), chunk), (local_view(dt), chunk)
+    assert torch.equal(dt.full_tensor(), full)
+    assert flat_range(dt)[1] - flat_range(dt)[0] == chunk.numel()
+    plain = dt.redistribute(mesh, [RaggedShard((0,), units), Replicate()])
+    assert torch.equal(plain.to_local(), piece.reshape(-1))
+    assert torch.equal(plain.redistribute(mesh, placements).to_local(), dt.to_local())
+    rep = distribute_tensor(full, mesh, [Replicate(), Replicate()], src_data_rank=None)
+    assert torch.equal(rep.redistribute(mesh, placements).to_local(), dt.to_local())
+    torch.testing.assert_close((dt * 2 + 1).full_tensor(), full * 2 + 1)
+    torch.testing.assert_close(dt.sum().full_tensor(), full.sum())
+    torch.testing.assert_close(
+        torch.linalg.vector_norm(dt).full_tensor(), torch.linalg.vector_norm(full)
+    )
+    dcp.save({"x": dt}, checkpoint_id=path)
+    for target in (
+        [RaggedShard((0,), tuple(reversed(units))), Replicate()],
+        [Replicate(), Shard(0)],
+        placements,
+    ):
+        into = {"x": distribute_tensor(torch.zeros_like(full), mesh, target, src_data_rank=None)}
+        dcp.load(into, checkpoint_id=path)
+        assert torch.equal(into["x"].full_tensor(), full), target
+    try:
+        distribute_tensor(full, mesh, [StridedRaggedShard((0,), units, split_factor=3), Shard(0)])
+    except ValueError as exc:
+        assert "Shard(0) of size 3" in str(exc), exc
+    else:
+        raise AssertionError("a split_factor that is not the Shard(0) axis size must raise")

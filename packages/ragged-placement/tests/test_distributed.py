@@ -133,3 +133,8 @@ def test_checkpoint_save_on_4_load_on_2_3_4(pools, tmp_path) -> None:
 def test_composition_with_shard_on_the_other_axis(pools, layout, tmp_path) -> None:
     for i, units in enumerate([(1, 1), (3, 1), (0, 2)]):
         pools[4].run(cases.check_with_tensor_parallel, layout, units, str(tmp_path / f"ckpt{i}"))
+
+
+def test_strided_ragged_shard(pools, tmp_path) -> None:
+    for i, units in enumerate([(1, 1), (3, 1), (0, 2)]):
+        pools[4].run(cases.check_strided, units, str(tmp_path / f"ckpt{i}"))

@@ -78,3 +78,19 @@ def test_checkpoint_boxes_tile_a_flat_range_in_order(shape, data) -> None:
         assert all(n == d for n, d in zip(sizes[1:], shape[1:], strict=True)) or sizes[0] == 1
         cursor += math.prod(sizes)
     assert cursor == hi
+
+
+def test_strided_value_semantics_and_rows() -> None:
+    from ragged_placement import StridedRaggedShard
+
+    s = StridedRaggedShard((0,), (3, 1), split_factor=2)
+    assert s == StridedRaggedShard([0], [3, 1], 2) and s != StridedRaggedShard((0,), (3, 1), 1)
+    assert s != RaggedShard((0,), (3, 1)) and hash(s) != hash(RaggedShard((0,), (3, 1)))
+    assert pickle.loads(pickle.dumps(s)) == s
+    assert repr(s) == "StridedRaggedShard(dims=(0,), local_units=(3, 1), split_factor=2)"
+    assert s.piece_rows((8, 5), 2) == ((0, 6), (6, 8))
+    assert [s.chunk_rows((8, 5), 2, 0, t) for t in (0, 1)] == [(0, 3), (3, 6)]
+    with pytest.raises(ValueError, match=r"dims must be \(0,\)"):
+        StridedRaggedShard((0, 1), (1, 1), 2)
+    with pytest.raises(ValueError, match="split_factor must be an int >= 1, got 0"):
+        StridedRaggedShard((0,), (1, 1), 0)

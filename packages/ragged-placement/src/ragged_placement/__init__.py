@@ -17,11 +17,19 @@ Example:
 from ragged_placement._comm_counter import Collective, CommCounter
 from ragged_placement._compat import install as _install
 from ragged_placement._integration import RaggedHooks as _RaggedHooks
-from ragged_placement._placement import RaggedShard
+from ragged_placement._placement import RaggedShard, StridedRaggedShard
 from ragged_placement._views import flat_range, local_view
 
 __version__ = "0.1.0"
 
-__all__ = ["Collective", "CommCounter", "RaggedShard", "__version__", "flat_range", "local_view"]
+__all__ = [
+    "Collective",
+    "CommCounter",
+    "RaggedShard",
+    "StridedRaggedShard",
+    "__version__",
+    "flat_range",
+    "local_view",
+]
 
 _install(_RaggedHooks())

@@ -26,7 +26,8 @@ from torch.distributed.tensor.placement_types import Partial, Shard
 
 from ragged_placement._compat import spec_of
 from ragged_placement._placement import RaggedShard
-from ragged_placement._redistribute import block_shape, chunk_range
+from ragged_placement._redistribute import block_shape, chunk_range, strided_axes
+from ragged_placement._views import flat_range
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -70,19 +71,25 @@ def local_boxes(dt: DTensor) -> list[tuple[Box, torch.Tensor]]:
         raise ValueError(
             "a DTensor with a Partial placement cannot be checkpointed; reduce it first"
         )
-    axis, placement = next(
-        (a, p) for a, p in enumerate(spec.placements) if isinstance(p, RaggedShard)
-    )
     mesh = spec.mesh
-    block = block_shape(spec, axis)
-    # Global offset of this rank's block: the Shard placements of the other axes.
-    offset = [0] * len(spec.shape)
     coordinate = mesh.get_coordinate()
     assert coordinate is not None
-    for other, p in enumerate(spec.placements):
-        if other != axis and isinstance(p, Shard):
-            offset[p.dim] += chunk_range(spec.shape[p.dim], mesh.size(other), coordinate[other])[0]
-    lo, hi = placement.flat_range(block, coordinate[axis])
+    if strided_axes(spec.placements) is not None:
+        # A chunk of a piece of the whole tensor: a flat range of the global tensor.
+        block, offset = list(spec.shape), [0] * len(spec.shape)
+        lo, hi = flat_range(dt)
+    else:
+        axis = next(a for a, p in enumerate(spec.placements) if isinstance(p, RaggedShard))
+        placement = spec.placements[axis]
+        assert isinstance(placement, RaggedShard)
+        block = block_shape(spec, axis)
+        # Global offset of this rank's block: the Shard placements of the other axes.
+        offset = [0] * len(spec.shape)
+        for other, p in enumerate(spec.placements):
+            if other != axis and isinstance(p, Shard):
+                size, parts = spec.shape[p.dim], mesh.size(other)
+                offset[p.dim] += chunk_range(size, parts, coordinate[other])[0]
+        lo, hi = placement.flat_range(block, coordinate[axis])
     local = dt.to_local()
     out = []
     cursor = 0

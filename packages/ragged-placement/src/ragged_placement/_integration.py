@@ -20,15 +20,24 @@ from ragged_placement._compat import (
     make_dtensor,
 )
 from ragged_placement._ops import propagate, schema_has_ragged
-from ragged_placement._placement import RaggedShard
-from ragged_placement._redistribute import block_shape, check_placements, redistribute_ragged
+from ragged_placement._placement import RaggedShard, StridedRaggedShard
+from ragged_placement._redistribute import (
+    block_shape,
+    check_placements,
+    redistribute_ragged,
+    strided_axes,
+    strided_chunk,
+    unstrided,
+)
 
 
 class RaggedHooks:
     """Implements `_compat.Hooks`."""
 
     def is_ragged(self, placements: Sequence[Placement] | None) -> bool:
-        return placements is not None and any(isinstance(p, RaggedShard) for p in placements)
+        return placements is not None and any(
+            isinstance(p, RaggedShard | StridedRaggedShard) for p in placements
+        )
 
     def schema_is_ragged(self, schema: OpSchema) -> bool:
         return schema_has_ragged(schema)
@@ -60,6 +69,20 @@ class RaggedHooks:
                 f"got shape {tuple(tensor.shape)} with stride {tensor.stride()}"
             )
         check_placements(placements, tensor.shape, tuple(mesh.shape))
+        meta = TensorMeta(shape=tensor.shape, stride=tensor.stride(), dtype=tensor.dtype)
+        spec = DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
+        if strided_axes(placements) is not None:
+            # Each rank's piece as for the unstrided form, then its chunk of the piece.
+            piece = self.distribute(
+                tensor, mesh, unstrided(spec).placements, original, src_data_rank
+            )
+            lo, hi, _ = strided_chunk(spec)
+            local = piece.to_local()[lo:hi].clone()
+            return make_dtensor(
+                local.detach().requires_grad_(tensor.requires_grad),
+                spec,
+                requires_grad=tensor.requires_grad,
+            )
         # Other axes first (torch's own code, honouring src_data_rank); then this rank's
         # piece of the block they leave. With src_data_rank=None nothing is communicated.
         plain = [Replicate() if isinstance(p, RaggedShard) else p for p in placements]
@@ -71,8 +94,6 @@ class RaggedHooks:
                 ]
                 # clone: the piece must not keep the whole block alive.
                 local = local.reshape(-1)[lo:hi].clone()
-        meta = TensorMeta(shape=tensor.shape, stride=tensor.stride(), dtype=tensor.dtype)
-        spec = DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
         requires_grad = tensor.requires_grad
         return make_dtensor(
             local.detach().requires_grad_(requires_grad), spec, requires_grad=requires_grad
@@ -88,6 +109,14 @@ class RaggedHooks:
         check_placements(placements, shape, tuple(mesh.shape))
         meta = TensorMeta(shape, contiguous_strides(shape), local.dtype)
         spec = DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
+        if strided_axes(placements) is not None:
+            lo, hi, _ = strided_chunk(spec)
+            if local.dim() != 1 or local.numel() != hi - lo:
+                raise ValueError(
+                    f"the local tensor of {tuple(placements)} on this rank must be 1-D with "
+                    f"{hi - lo} elements (its chunk of its piece), got shape {tuple(local.shape)}"
+                )
+            return
         for axis, p in enumerate(placements):
             if isinstance(p, RaggedShard):
                 block = block_shape(spec, axis)

@@ -33,7 +33,7 @@ from ragged_placement._compat import (
     WeightedMeanPartial,
     norm_partial,
 )
-from ragged_placement._placement import RaggedShard
+from ragged_placement._placement import RaggedShard, StridedRaggedShard
 from ragged_placement._redistribute import chunk_range
 
 aten = torch.ops.aten
@@ -66,7 +66,7 @@ class UnsupportedRaggedOpError(NotImplementedError):
 def has_ragged(spec: object) -> bool:
     """Whether `spec` (a DTensorSpec) places any mesh axis with RaggedShard."""
     return isinstance(spec, DTensorSpec) and any(
-        isinstance(p, RaggedShard) for p in spec.placements
+        isinstance(p, RaggedShard | StridedRaggedShard) for p in spec.placements
     )
 
 
@@ -226,9 +226,15 @@ def _reduction(op_schema: OpSchema, kind: str, metas: Any) -> OutputSharding:
 
 
 def _reduced_spec(spec: DTensorSpec, meta: TensorMeta, kind: str, ord_: float) -> DTensorSpec:
+    strided = any(isinstance(p, StridedRaggedShard) for p in spec.placements)
+    if strided and kind == "mean":
+        # Chunk sizes depend on the piece, so rank shares do not factor per mesh axis.
+        raise UnsupportedRaggedOpError(
+            "mean of a StridedRaggedShard tensor; use sum() / numel instead"
+        )
     placements: list[Placement] = []
     for axis, p in enumerate(spec.placements):
-        if isinstance(p, RaggedShard | Shard):
+        if isinstance(p, RaggedShard | StridedRaggedShard | Shard):
             if kind == "sum":
                 placements.append(Partial("sum"))
             elif kind == "norm":

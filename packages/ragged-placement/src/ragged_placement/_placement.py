@@ -127,3 +127,95 @@ class RaggedShard(Placement):
     def flat_range(self, shape: Sequence[int], rank: int) -> tuple[int, int]:
         """[start, end) of `rank`'s piece in the flattened tensor."""
         return self.flat_ranges(shape, len(self.local_units))[rank]
+
+
+class StridedRaggedShard(Placement):
+    """A ragged cut of the whole tensor, each piece then split by a Shard(0) of another axis.
+
+    Plain `RaggedShard` cuts the block left by the other axes (so `[Shard(0), RaggedShard]` on
+    an (ep, fsdp) mesh shards each expert block raggedly). `StridedRaggedShard` records the
+    other order: the tensor's rows are first cut into ragged pieces by `local_units` on this
+    axis, and a `Shard(0)` on another mesh axis of size `split_factor` then splits every piece
+    by rows (torch.chunk semantics). The local tensor of rank (r, t) is chunk t of piece r,
+    flat. `full_tensor()` and every redistribute rebuild the global layout from that.
+
+    Args:
+        dims: Must be (0,): pieces are whole rows of shape[1:], and so are their chunks.
+        local_units: One relative share per rank of this mesh axis (see RaggedShard).
+        split_factor: Size of the mesh axis whose Shard(0) splits each piece, >= 1.
+
+    Example:
+        >>> StridedRaggedShard((0,), (3, 1), split_factor=2).piece_rows((8, 5), num_ranks=2)
+        ((0, 6), (6, 8))
+    """
+
+    ragged: RaggedShard
+    split_factor: int
+
+    def __init__(self, dims: Sequence[int], local_units: Sequence[int], split_factor: int) -> None:
+        super().__init__()
+        ragged = RaggedShard(dims, local_units)
+        if ragged.dims != (0,):
+            raise ValueError(
+                f"StridedRaggedShard cuts whole rows: dims must be (0,), got {ragged.dims}"
+            )
+        factor: object = split_factor  # callers may pass anything; check before trusting the hint
+        if isinstance(factor, bool) or not isinstance(factor, int) or factor < 1:
+            raise ValueError(
+                f"StridedRaggedShard split_factor must be an int >= 1, got {split_factor!r}"
+            )
+        object.__setattr__(self, "ragged", ragged)
+        object.__setattr__(self, "split_factor", split_factor)
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        """The cut dims, always (0,)."""
+        return self.ragged.dims
+
+    @property
+    def local_units(self) -> tuple[int, ...]:
+        """Each rank's share of the rows of this axis."""
+        return self.ragged.local_units
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"StridedRaggedShard is immutable; cannot set {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            type(other) is StridedRaggedShard
+            and self.ragged == other.ragged
+            and self.split_factor == other.split_factor
+        )
+
+    def __hash__(self) -> int:
+        return hash((StridedRaggedShard, self.ragged, self.split_factor))
+
+    def __repr__(self) -> str:
+        return (
+            f"StridedRaggedShard(dims={self.dims}, local_units={self.local_units}, "
+            f"split_factor={self.split_factor})"
+        )
+
+    def __str__(self) -> str:
+        return f"SRS{self.local_units}/{self.split_factor}"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (StridedRaggedShard, (self.dims, self.local_units, self.split_factor))
+
+    def piece_rows(self, shape: Sequence[int], num_ranks: int) -> tuple[tuple[int, int], ...]:
+        """[first row, end row) of every rank's piece along dim 0."""
+        row = self.ragged.row_numel(shape)
+        return tuple(
+            (lo // row, hi // row) if row else (0, 0)
+            for lo, hi in self.ragged.flat_ranges(shape, num_ranks)
+        )
+
+    def chunk_rows(
+        self, shape: Sequence[int], num_ranks: int, rank: int, part: int
+    ) -> tuple[int, int]:
+        """[first row, end row) that rank `rank` of this axis and part `part` of the split hold."""
+        first, end = self.piece_rows(shape, num_ranks)[rank]
+        size = end - first
+        chunk = -(-size // self.split_factor) if size else 0
+        lo = min(part * chunk, size)
+        return first + lo, first + min(lo + chunk, size)

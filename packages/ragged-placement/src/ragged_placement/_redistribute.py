@@ -24,7 +24,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from ragged_placement._collectives import exchange_pieces, gather_pieces, reduce_scatter_pieces
 from ragged_placement._compat import DTensorSpec
-from ragged_placement._placement import RaggedShard
+from ragged_placement._placement import RaggedShard, StridedRaggedShard
 
 Original = Callable[..., torch.Tensor]
 
@@ -33,7 +33,11 @@ def check_placements(
     placements: Sequence[Placement], shape: Sequence[int], mesh_shape: Sequence[int]
 ) -> None:
     """Validates RaggedShard use in a placement list against a tensor shape and mesh."""
-    ragged = [(axis, p) for axis, p in enumerate(placements) if isinstance(p, RaggedShard)]
+    ragged = [
+        (axis, p)
+        for axis, p in enumerate(placements)
+        if isinstance(p, RaggedShard | StridedRaggedShard)
+    ]
     if len(ragged) > 1:
         raise ValueError(
             f"at most one RaggedShard per placement list, got {len(ragged)} in {tuple(placements)}"
@@ -46,6 +50,61 @@ def check_placements(
             )
         if len(p.dims) > max(len(shape), 1):
             raise ValueError(f"{p!r} cuts dims {p.dims} but the tensor has shape {tuple(shape)}")
+        if isinstance(p, StridedRaggedShard):
+            splits = [a for a, q in enumerate(placements) if isinstance(q, Shard) and q.dim == 0]
+            if len(splits) != 1 or mesh_shape[splits[0]] != p.split_factor:
+                raise ValueError(
+                    f"{p!r} needs exactly one other mesh axis with Shard(0) of size "
+                    f"{p.split_factor}; got placements {tuple(placements)} on mesh "
+                    f"{tuple(mesh_shape)}"
+                )
+
+
+def strided_axes(placements: Sequence[Placement]) -> tuple[int, StridedRaggedShard, int] | None:
+    """(axis of the StridedRaggedShard, the placement, axis of its Shard(0)), if any."""
+    for axis, p in enumerate(placements):
+        if isinstance(p, StridedRaggedShard):
+            split = next(a for a, q in enumerate(placements) if isinstance(q, Shard) and q.dim == 0)
+            return axis, p, split
+    return None
+
+
+def unstrided(spec: DTensorSpec) -> DTensorSpec:
+    """The spec with each rank (r, t) holding all of piece r: RaggedShard + Replicate."""
+    found = strided_axes(spec.placements)
+    assert found is not None
+    axis, p, split = found
+    placements = list(spec.placements)
+    placements[axis], placements[split] = p.ragged, Replicate()
+    return DTensorSpec(spec.mesh, tuple(placements), tensor_meta=spec.tensor_meta)
+
+
+def strided_chunk(spec: DTensorSpec) -> tuple[int, int, int]:
+    """(start, end) of this rank's chunk within its piece, in elements, and the piece numel."""
+    found = strided_axes(spec.placements)
+    assert found is not None
+    axis, p, split = found
+    mesh, shape = spec.mesh, spec.shape
+    row = math.prod(shape[1:])
+    rank, part = mesh.get_local_rank(axis), mesh.get_local_rank(split)
+    first, end = p.piece_rows(shape, mesh.size(axis))[rank]
+    lo, hi = p.chunk_rows(shape, mesh.size(axis), rank, part)
+    return (lo - first) * row, (hi - first) * row, (end - first) * row
+
+
+def _unstride(local: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
+    found = strided_axes(spec.placements)
+    assert found is not None
+    axis, p, split = found
+    mesh, shape = spec.mesh, spec.shape
+    row = math.prod(shape[1:])
+    rank = mesh.get_local_rank(axis)
+    first, end = p.piece_rows(shape, mesh.size(axis))[rank]
+    ranges = []
+    for part in range(p.split_factor):
+        lo, hi = p.chunk_rows(shape, mesh.size(axis), rank, part)
+        ranges.append(((lo - first) * row, (hi - first) * row))
+    return gather_pieces(local, ranges, mesh.get_group(split), (end - first) * row)
 
 
 def chunk_range(size: int, parts: int, index: int) -> tuple[int, int]:
@@ -107,15 +166,29 @@ def _single_axis(
 
 
 def redistribute_ragged(
-    local: torch.Tensor,
-    current: DTensorSpec,
-    target: DTensorSpec,
-    original: Original,
-    **kwargs: object,
+    local: torch.Tensor, current: DTensorSpec, target: DTensorSpec, original: Original
 ) -> torch.Tensor:
     """Moves `local` from spec `current` to spec `target` (see the module docstring)."""
     if current.mesh != target.mesh:
         raise ValueError(f"cannot redistribute across meshes ({current.mesh} -> {target.mesh})")
+    if current.placements == target.placements:
+        return local
+    # A StridedRaggedShard goes through its unstrided form: gather the chunks of each piece
+    # (within the Shard(0) axis) first, and cut the target's chunk locally at the end.
+    if strided_axes(current.placements) is not None:
+        check_placements(current.placements, current.shape, tuple(current.mesh.shape))
+        local, current = _unstride(local, current), unstrided(current)
+    if strided_axes(target.placements) is not None:
+        check_placements(target.placements, target.shape, tuple(target.mesh.shape))
+        piece = _redistribute_plain(local, current, unstrided(target), original)
+        lo, hi, _ = strided_chunk(target)
+        return piece.reshape(-1)[lo:hi].clone()
+    return _redistribute_plain(local, current, target, original)
+
+
+def _redistribute_plain(
+    local: torch.Tensor, current: DTensorSpec, target: DTensorSpec, original: Original
+) -> torch.Tensor:
     mesh_shape = tuple(current.mesh.shape)
     check_placements(current.placements, current.shape, mesh_shape)
     check_placements(target.placements, target.shape, mesh_shape)
