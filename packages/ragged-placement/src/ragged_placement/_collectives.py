@@ -26,6 +26,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from ragged_placement._compat import async_all_gather, async_all_to_all
+
 Ranges = Sequence[tuple[int, int]]
 
 _REDUCE_OPS = {
@@ -42,13 +44,24 @@ def _overlap(a: tuple[int, int], b: tuple[int, int]) -> int:
 
 
 def gather_pieces(
-    local: torch.Tensor, ranges: Ranges, group: dist.ProcessGroup, numel: int
+    local: torch.Tensor,
+    ranges: Ranges,
+    group: dist.ProcessGroup,
+    numel: int,
+    *,
+    async_op: bool = False,
 ) -> torch.Tensor:
-    """Every rank's piece, assembled into a new flat tensor of `numel` elements."""
+    """Every rank's piece, assembled into a new flat tensor of `numel` elements.
+
+    With `async_op` and equal pieces the result completes lazily (waits on first use);
+    uneven pieces are gathered before returning.
+    """
     rank = dist.get_rank(group)
     out = torch.empty(numel, dtype=local.dtype, device=local.device)
     if group.size() > 1 and len({hi - lo for lo, hi in ranges}) == 1:
         # Equal pieces: one all-gather straight into the output, still exact and copy-free.
+        if async_op:
+            return async_all_gather(local.reshape(-1).contiguous(), group)
         dist.all_gather_single(out, local.reshape(-1).contiguous(), group=group)
         return out
     start, end = ranges[rank]
@@ -66,14 +79,24 @@ def gather_pieces(
 
 
 def exchange_pieces(
-    local: torch.Tensor, old: Ranges, new: Ranges, group: dist.ProcessGroup
+    local: torch.Tensor,
+    old: Ranges,
+    new: Ranges,
+    group: dist.ProcessGroup,
+    *,
+    async_op: bool = False,
 ) -> torch.Tensor:
-    """Moves from pieces `old` to pieces `new` with one uneven all-to-all."""
+    """Moves from pieces `old` to pieces `new` with one uneven all-to-all.
+
+    With `async_op` the result completes lazily (waits on first use).
+    """
     if group.size() == 1:
         return local.reshape(-1)
     rank = dist.get_rank(group)
     send = [_overlap(old[rank], piece) for piece in new]
     recv = [_overlap(piece, new[rank]) for piece in old]
+    if async_op:
+        return async_all_to_all(local.reshape(-1).contiguous(), recv, send, group)
     out = torch.empty(new[rank][1] - new[rank][0], dtype=local.dtype, device=local.device)
     dist.all_to_all_single(
         out,

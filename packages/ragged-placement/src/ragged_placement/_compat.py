@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.distributed.tensor as dtensor_pkg
 import torch.distributed.tensor._api as dtensor_api
 import torch.distributed.tensor._dispatch as dtensor_dispatch
@@ -51,6 +52,8 @@ __all__ = [
     "OutputSharding",
     "TensorMeta",
     "WeightedMeanPartial",
+    "async_all_gather",
+    "async_all_to_all",
     "current_mesh",
     "install",
     "make_dtensor",
@@ -108,6 +111,20 @@ def process_group_from_op_arg(value: Any) -> dist.ProcessGroup | None:
         return group
     resolved: dist.ProcessGroup = _resolve_process_group(value)  # functional ops: a name
     return resolved
+
+
+def async_all_gather(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """All-gather of equal flat pieces that completes lazily (AsyncCollectiveTensor)."""
+    out: torch.Tensor = funcol.all_gather_single(local, 0, group)
+    return out
+
+
+def async_all_to_all(
+    local: torch.Tensor, recv: list[int], send: list[int], group: dist.ProcessGroup
+) -> torch.Tensor:
+    """Uneven all-to-all that completes lazily (AsyncCollectiveTensor)."""
+    out: torch.Tensor = funcol.all_to_all_single(local, recv, send, group)
+    return out
 
 
 def norm_partial(ord_: float) -> Placement:
@@ -171,6 +188,7 @@ class Hooks(Protocol):
         current: DTensorSpec,
         target: DTensorSpec,
         original: Callable[..., torch.Tensor],
+        async_op: bool,
     ) -> torch.Tensor: ...
     def distribute(
         self,
@@ -221,7 +239,8 @@ def install(hooks: Hooks) -> None:
         local: torch.Tensor, current: DTensorSpec, target: DTensorSpec, *args: Any, **kwargs: Any
     ) -> torch.Tensor:
         if hooks.is_ragged(current.placements) or hooks.is_ragged(target.placements):
-            return hooks.redistribute(local, current, target, original_redistribute)
+            async_op = bool(kwargs.get("async_op", False))
+            return hooks.redistribute(local, current, target, original_redistribute, async_op)
         result: torch.Tensor = original_redistribute(local, current, target, *args, **kwargs)
         return result
 

@@ -48,8 +48,9 @@ class RaggedHooks:
         current: DTensorSpec,
         target: DTensorSpec,
         original: Callable[..., torch.Tensor],
+        async_op: bool,
     ) -> torch.Tensor:
-        return redistribute_ragged(local, current, target, original)
+        return redistribute_ragged(local, current, target, original, async_op=async_op)
 
     def distribute(
         self,

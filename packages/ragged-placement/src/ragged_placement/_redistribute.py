@@ -126,15 +126,19 @@ def block_shape(spec: DTensorSpec, skip_axis: int) -> list[int]:
     return shape
 
 
-def _shard0_ranges(shape: Sequence[int], parts: int) -> list[tuple[int, int]]:
+def _shard0_ranges(shape: Sequence[int], parts: int) -> tuple[tuple[int, int], ...]:
     row = math.prod(shape[1:])
-    return [
-        (lo * row, hi * row) for lo, hi in (chunk_range(shape[0], parts, i) for i in range(parts))
-    ]
+    rows = (chunk_range(shape[0], parts, i) for i in range(parts))
+    return tuple((lo * row, hi * row) for lo, hi in rows)
 
 
 def _single_axis(
-    local: torch.Tensor, spec: DTensorSpec, axis: int, src: Placement, dst: Placement
+    local: torch.Tensor,
+    spec: DTensorSpec,
+    axis: int,
+    src: Placement,
+    dst: Placement,
+    async_op: bool,
 ) -> torch.Tensor | None:
     """Direct path for a change on one mesh axis, or None when there is none."""
     mesh = spec.mesh
@@ -145,11 +149,13 @@ def _single_axis(
     if isinstance(src, RaggedShard):
         old = src.flat_ranges(shape, parts)
         if isinstance(dst, Replicate):
-            return gather_pieces(local, old, group, numel).view(shape)
+            return gather_pieces(local, old, group, numel, async_op=async_op).view(shape)
         if isinstance(dst, RaggedShard):
-            return exchange_pieces(local, old, dst.flat_ranges(shape, parts), group)
+            new = dst.flat_ranges(shape, parts)
+            return exchange_pieces(local, old, new, group, async_op=async_op)
         if isinstance(dst, Shard) and dst.dim == 0 and shape:
-            out = exchange_pieces(local, old, _shard0_ranges(shape, parts), group)
+            new = _shard0_ranges(shape, parts)
+            out = exchange_pieces(local, old, new, group, async_op=async_op)
             return out.view(-1, *shape[1:])
         return None
     assert isinstance(dst, RaggedShard)
@@ -159,16 +165,26 @@ def _single_axis(
         # clone: the piece must not keep the whole replicated block alive.
         return local.reshape(-1)[lo:hi].clone()
     if isinstance(src, Shard) and src.dim == 0 and shape:
-        return exchange_pieces(local, _shard0_ranges(shape, parts), new, group)
+        old = _shard0_ranges(shape, parts)
+        return exchange_pieces(local, old, new, group, async_op=async_op)
     if isinstance(src, Partial):
         return reduce_scatter_pieces(local, new, group, src.reduce_op)
     return None
 
 
 def redistribute_ragged(
-    local: torch.Tensor, current: DTensorSpec, target: DTensorSpec, original: Original
+    local: torch.Tensor,
+    current: DTensorSpec,
+    target: DTensorSpec,
+    original: Original,
+    *,
+    async_op: bool = False,
 ) -> torch.Tensor:
-    """Moves `local` from spec `current` to spec `target` (see the module docstring)."""
+    """Moves `local` from spec `current` to spec `target` (see the module docstring).
+
+    With `async_op`, the one-collective paths (all-gather of equal pieces, all-to-all
+    exchanges) return a tensor that completes lazily, as torch's own async redistribute does.
+    """
     if current.mesh != target.mesh:
         raise ValueError(f"cannot redistribute across meshes ({current.mesh} -> {target.mesh})")
     if current.placements == target.placements:
@@ -183,11 +199,16 @@ def redistribute_ragged(
         piece = _redistribute_plain(local, current, unstrided(target), original)
         lo, hi, _ = strided_chunk(target)
         return piece.reshape(-1)[lo:hi].clone()
-    return _redistribute_plain(local, current, target, original)
+    return _redistribute_plain(local, current, target, original, async_op=async_op)
 
 
 def _redistribute_plain(
-    local: torch.Tensor, current: DTensorSpec, target: DTensorSpec, original: Original
+    local: torch.Tensor,
+    current: DTensorSpec,
+    target: DTensorSpec,
+    original: Original,
+    *,
+    async_op: bool = False,
 ) -> torch.Tensor:
     mesh_shape = tuple(current.mesh.shape)
     check_placements(current.placements, current.shape, mesh_shape)
@@ -208,7 +229,7 @@ def _redistribute_plain(
         axis = changed[0]
         src, dst = current.placements[axis], target.placements[axis]
         if isinstance(src, RaggedShard) or isinstance(dst, RaggedShard):
-            out = _single_axis(local, current, axis, src, dst)
+            out = _single_axis(local, current, axis, src, dst, async_op)
             if out is not None:
                 return out
 
