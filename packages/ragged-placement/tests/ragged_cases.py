@@ -55,7 +55,10 @@ def check_roundtrip(
     mesh, rank = _mesh(), dist.get_rank()
     full = _full(shape, dtype)
     placement = RaggedShard(dims, units)
-    dt = distribute_tensor(full, mesh, [placement], src_data_rank=src)
+    with CommCounter() as comms:
+        dt = distribute_tensor(full, mesh, [placement], src_data_rank=src)
+    if src is None:  # every rank has the data: nothing is sent
+        assert comms.collectives == [], comms.collectives
     lo, hi = _ranges(units, full.numel())[rank]
     assert dt.placements == (placement,) and dt.shape == full.shape
     assert dt.to_local().dim() == 1
@@ -97,7 +100,8 @@ def check_redistribute(
     pending = dt.redistribute(mesh, [b], async_op=True)
     if world > 1 and old != new:
         assert type(pending.to_local()).__name__ == "AsyncCollectiveTensor"
-    busy = (full.float() @ full.float().T).sum()  # work overlapping the collective
+    flat = full.float().reshape(full.shape[0], -1)
+    busy = (flat @ flat.T).sum()  # work overlapping the collective
     assert torch.isfinite(busy)
     assert torch.equal(pending.to_local(), moved.to_local())
     assert torch.equal(dt.redistribute(mesh, [Replicate()], async_op=True).full_tensor(), full)
@@ -109,7 +113,8 @@ def check_redistribute(
     assert comms.collectives == [] and torch.equal(sliced.to_local(), dt.to_local())
 
     # Shard(0) <-> RaggedShard: a Shard(0) chunk is a flat range, so one exchange each way.
-    shard0 = dt.redistribute(mesh, [Shard(0)])
+    with CommCounter() as to_shard0:
+        shard0 = dt.redistribute(mesh, [Shard(0)])
     assert torch.equal(
         shard0.to_local(), distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None).to_local()
     )
@@ -124,12 +129,14 @@ def check_redistribute(
     s0_sent = sum(_overlap(s0_ranges[rank], old_r[j]) for j in range(world) if j != rank)
     s0_received = sum(_overlap(s0_ranges[j], old_r[rank]) for j in range(world) if j != rank)
     assert (comms.bytes_sent, comms.bytes_received) == (s0_sent * size, s0_received * size)
+    # ... and the other way round the same overlaps move in the opposite direction.
+    assert (to_shard0.bytes_sent, to_shard0.bytes_received) == (s0_received * size, s0_sent * size)
 
-    # Shard(d) for the last dim, both ways.
-    last = full.dim() - 1
-    shard_last = dt.redistribute(mesh, [Shard(last)])
-    assert torch.equal(shard_last.full_tensor(), full)
-    assert torch.equal(shard_last.redistribute(mesh, [a]).to_local(), dt.to_local())
+    # Shard(d) for every other dim, both ways.
+    for d in range(1, full.dim()):
+        shard_d = dt.redistribute(mesh, [Shard(d)])
+        assert torch.equal(shard_d.full_tensor(), full)
+        assert torch.equal(shard_d.redistribute(mesh, [a]).to_local(), dt.to_local())
 
     # Partial -> RaggedShard: a reduce-scatter's volume, not an all-reduce's.
     partial = DTensor.from_local(full * (rank + 1), mesh, [Partial()], run_check=False)

@@ -55,6 +55,9 @@ def test_redistribute_paths_and_bytes(pools, world) -> None:
             for dtype in ("fp32", "bf16"):
                 shape = (2 * sum(old) * sum(new), 3)
                 pools[world].run(cases.check_redistribute, shape, old, new, dtype)
+    # A 3-D tensor: Shard(1) and Shard(2) on the other side.
+    old, new = unit_sets[0], unit_sets[-1]
+    pools[world].run(cases.check_redistribute, (sum(old) * sum(new), 2, 3), old, new, "fp32")
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
