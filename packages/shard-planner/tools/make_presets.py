@@ -33,6 +33,17 @@ def ends(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     return embed, final
 
 
+def decoder(name: str, source: str, cfg: dict[str, Any], layer: list[Tensor]) -> dict[str, Any]:
+    """A model of identical layers between the embedding and the final norm + head."""
+    embed, final = ends(cfg)
+    layers = {
+        "name": "model.layers.{i}",
+        "indices": [0, cfg["num_hidden_layers"]],
+        "tensors": layer,
+    }
+    return {"name": name, "source": source, "config": cfg, "groups": [embed, layers, final]}
+
+
 def llama3(name: str, source: str, cfg: dict[str, Any]) -> dict[str, Any]:
     h, inter = cfg["hidden_size"], cfg["intermediate_size"]
     hd = h // cfg["num_attention_heads"]
@@ -48,13 +59,7 @@ def llama3(name: str, source: str, cfg: dict[str, Any]) -> dict[str, Any]:
         t("input_layernorm.weight", h),
         t("post_attention_layernorm.weight", h),
     ]
-    embed, final = ends(cfg)
-    layers = {
-        "name": "model.layers.{i}",
-        "indices": [0, cfg["num_hidden_layers"]],
-        "tensors": layer,
-    }
-    return {"name": name, "source": source, "config": cfg, "groups": [embed, layers, final]}
+    return decoder(name, source, cfg, layer)
 
 
 def deepseek_v3() -> dict[str, Any]:
@@ -167,18 +172,7 @@ def gpt_oss_120b() -> dict[str, Any]:
         t("mlp.experts.down_proj", num_experts, inter, h, num_shard_dims=2),
         t("mlp.experts.down_proj_bias", num_experts, h),
     ]
-    embed, final = ends(cfg)
-    layers = {
-        "name": "model.layers.{i}",
-        "indices": [0, cfg["num_hidden_layers"]],
-        "tensors": layer,
-    }
-    return {
-        "name": "gpt-oss-120b",
-        "source": "openai/gpt-oss-120b config.json (fused experts)",
-        "config": cfg,
-        "groups": [embed, layers, final],
-    }
+    return decoder("gpt-oss-120b", "openai/gpt-oss-120b config.json (fused experts)", cfg, layer)
 
 
 def qwen3_30b_a3b() -> dict[str, Any]:
@@ -212,18 +206,9 @@ def qwen3_30b_a3b() -> dict[str, Any]:
             t(f"mlp.experts.{e}.down_proj.weight", h, inter),
         ]
     layer += [t("input_layernorm.weight", h), t("post_attention_layernorm.weight", h)]
-    embed, final = ends(cfg)
-    layers = {
-        "name": "model.layers.{i}",
-        "indices": [0, cfg["num_hidden_layers"]],
-        "tensors": layer,
-    }
-    return {
-        "name": "qwen3-30b-a3b",
-        "source": "Qwen/Qwen3-30B-A3B config.json (per-expert tensors)",
-        "config": cfg,
-        "groups": [embed, layers, final],
-    }
+    return decoder(
+        "qwen3-30b-a3b", "Qwen/Qwen3-30B-A3B config.json (per-expert tensors)", cfg, layer
+    )
 
 
 LLAMA_VOCAB = 128256

@@ -25,8 +25,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Shard
 
 from ragged_placement._compat import spec_of
-from ragged_placement._placement import RaggedShard
-from ragged_placement._redistribute import block_shape, chunk_range, strided_axes
+from ragged_placement._placement import RaggedShard, chunk_range
+from ragged_placement._redistribute import block_shape, strided_axes
 from ragged_placement._views import flat_range
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]

@@ -33,8 +33,7 @@ from ragged_placement._compat import (
     WeightedMeanPartial,
     norm_partial,
 )
-from ragged_placement._placement import RaggedShard, StridedRaggedShard
-from ragged_placement._redistribute import chunk_range
+from ragged_placement._placement import RaggedShard, StridedRaggedShard, chunk_range
 
 aten = torch.ops.aten
 

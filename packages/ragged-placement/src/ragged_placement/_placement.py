@@ -18,6 +18,13 @@ from typing import Any
 from torch.distributed.tensor.placement_types import Placement
 
 
+def chunk_range(size: int, parts: int, index: int) -> tuple[int, int]:
+    """[start, end) of part `index` when torch.chunk splits `size` into `parts` (Shard(d))."""
+    chunk = -(-size // parts) if size else 0
+    lo = min(index * chunk, size)
+    return lo, min(lo + chunk, size)
+
+
 def _as_int_tuple(what: str, values: object) -> tuple[int, ...]:
     if isinstance(values, int) or not isinstance(values, Sequence):
         raise TypeError(f"{what} must be a tuple of ints, got {values!r}")
@@ -215,7 +222,5 @@ class StridedRaggedShard(Placement):
     ) -> tuple[int, int]:
         """[first row, end row) that rank `rank` of this axis and part `part` of the split hold."""
         first, end = self.piece_rows(shape, num_ranks)[rank]
-        size = end - first
-        chunk = -(-size // self.split_factor) if size else 0
-        lo = min(part * chunk, size)
-        return first + lo, first + min(lo + chunk, size)
+        lo, hi = chunk_range(end - first, self.split_factor, part)
+        return first + lo, first + hi

@@ -24,7 +24,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from ragged_placement._collectives import exchange_pieces, gather_pieces, reduce_scatter_pieces
 from ragged_placement._compat import DTensorSpec
-from ragged_placement._placement import RaggedShard, StridedRaggedShard
+from ragged_placement._placement import RaggedShard, StridedRaggedShard, chunk_range
 
 Original = Callable[..., torch.Tensor]
 
@@ -79,39 +79,33 @@ def unstrided(spec: DTensorSpec) -> DTensorSpec:
     return DTensorSpec(spec.mesh, tuple(placements), tensor_meta=spec.tensor_meta)
 
 
-def strided_chunk(spec: DTensorSpec) -> tuple[int, int, int]:
-    """(start, end) of this rank's chunk within its piece, in elements, and the piece numel."""
+def _strided_parts(spec: DTensorSpec) -> tuple[list[tuple[int, int]], int, int]:
+    """Every part's (start, end) within this rank's piece, in elements; its part; piece numel."""
     found = strided_axes(spec.placements)
     assert found is not None
     axis, p, split = found
     mesh, shape = spec.mesh, spec.shape
     row = math.prod(shape[1:])
-    rank, part = mesh.get_local_rank(axis), mesh.get_local_rank(split)
-    first, end = p.piece_rows(shape, mesh.size(axis))[rank]
-    lo, hi = p.chunk_rows(shape, mesh.size(axis), rank, part)
-    return (lo - first) * row, (hi - first) * row, (end - first) * row
+    rank, num_ranks = mesh.get_local_rank(axis), mesh.size(axis)
+    first, end = p.piece_rows(shape, num_ranks)[rank]
+    parts = []
+    for part in range(p.split_factor):
+        lo, hi = p.chunk_rows(shape, num_ranks, rank, part)
+        parts.append(((lo - first) * row, (hi - first) * row))
+    return parts, mesh.get_local_rank(split), (end - first) * row
+
+
+def strided_chunk(spec: DTensorSpec) -> tuple[int, int, int]:
+    """(start, end) of this rank's chunk within its piece, in elements, and the piece numel."""
+    parts, part, numel = _strided_parts(spec)
+    return (*parts[part], numel)
 
 
 def _unstride(local: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
     found = strided_axes(spec.placements)
     assert found is not None
-    axis, p, split = found
-    mesh, shape = spec.mesh, spec.shape
-    row = math.prod(shape[1:])
-    rank = mesh.get_local_rank(axis)
-    first, end = p.piece_rows(shape, mesh.size(axis))[rank]
-    ranges = []
-    for part in range(p.split_factor):
-        lo, hi = p.chunk_rows(shape, mesh.size(axis), rank, part)
-        ranges.append(((lo - first) * row, (hi - first) * row))
-    return gather_pieces(local, ranges, mesh.get_group(split), (end - first) * row)
-
-
-def chunk_range(size: int, parts: int, index: int) -> tuple[int, int]:
-    """[start, end) of part `index` when torch.chunk splits `size` into `parts` (Shard(d))."""
-    chunk = math.ceil(size / parts) if size else 0
-    lo = min(index * chunk, size)
-    return lo, min(lo + chunk, size)
+    parts, _, numel = _strided_parts(spec)
+    return gather_pieces(local, parts, spec.mesh.get_group(found[2]), numel)
 
 
 def block_shape(spec: DTensorSpec, skip_axis: int) -> list[int]:
