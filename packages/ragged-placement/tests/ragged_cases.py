@@ -133,10 +133,20 @@ def check_redistribute(
     assert (to_shard0.bytes_sent, to_shard0.bytes_received) == (s0_received * size, s0_sent * size)
 
     # Shard(d) for every other dim, both ways.
+    # RaggedShard -> Shard(d) gathers the missing elements, then slices locally; Shard(d) ->
+    # RaggedShard is torch's own Shard(d) -> Replicate, then a local slice.
     for d in range(1, full.dim()):
-        shard_d = dt.redistribute(mesh, [Shard(d)])
+        with CommCounter() as comms:
+            shard_d = dt.redistribute(mesh, [Shard(d)])
+        assert comms.bytes_received == (numel - (old_r[rank][1] - old_r[rank][0])) * size
         assert torch.equal(shard_d.full_tensor(), full)
-        assert torch.equal(shard_d.redistribute(mesh, [a]).to_local(), dt.to_local())
+        with CommCounter() as comms:
+            back_d = shard_d.redistribute(mesh, [a])
+        assert torch.equal(back_d.to_local(), dt.to_local())
+        with CommCounter() as torch_gather:
+            shard_d.redistribute(mesh, [Replicate()])
+        # Exactly torch's own Shard(d) -> Replicate, and nothing on top.
+        assert comms.bytes_received == torch_gather.bytes_received, comms.collectives
 
     # Partial -> RaggedShard: a reduce-scatter's volume, not an all-reduce's.
     partial = DTensor.from_local(full * (rank + 1), mesh, [Partial()], run_check=False)
@@ -335,7 +345,9 @@ def check_hsdp(shape: tuple[int, ...], units: tuple[int, int]) -> None:
     assert torch.equal(dt.to_local(), full.reshape(-1)[lo:hi])
     with CommCounter() as comms:
         assert torch.equal(dt.full_tensor(), full)
+    # Gathered within the shard axis only: this rank receives the other piece of its pair.
     assert all(c.group_size == 2 for c in comms.collectives), comms.collectives
+    assert comms.bytes_received == (full.numel() - (hi - lo)) * full.element_size()
     other = RaggedShard((0,), tuple(reversed(units)))
     assert torch.equal(dt.redistribute(mesh, [Replicate(), other]).full_tensor(), full)
     assert torch.equal(dt.redistribute(mesh, [Shard(0), Replicate()]).full_tensor(), full)
