@@ -1,10 +1,15 @@
-"""DBuffer: a group of tensors in one planned buffer with zero-copy collectives.
+"""dbuffer: a group of tensors in one planned buffer, with zero-copy collectives.
 
-This package is an importable skeleton: its API arrives with the issue that builds it
-(issue 4). It exports nothing but its version until then, so that nothing downstream can
-depend on a placeholder.
+Example:
+    >>> from dbuffer import DBuffer
+    >>> buf = DBuffer([("w", w), ("b", b)], mesh, block_rows={"w": 32})  # doctest: +SKIP
+    >>> buf.unshard().wait()  # doctest: +SKIP
+    >>> buf.full("w").shape == w.shape  # doctest: +SKIP
+    True
 """
+
+from dbuffer._buffer import DBuffer, Handle
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = ["DBuffer", "Handle", "__version__"]

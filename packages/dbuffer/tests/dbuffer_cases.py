@@ -1,0 +1,136 @@
+"""DBuffer checks run on every rank of a RankPool, against single-process references."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from dbuffer import DBuffer
+from ragged_placement import RaggedShard, flat_range
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _tensors(world: int, dtype: str, seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {"w1": (17, 8), "b1": (8,), "w2": (3 * world + 1, 5), "empty": (0, 4), "s": (1,)}
+    return [(n, torch.randn(s, generator=gen).to(DTYPES[dtype])) for n, s in shapes.items()]
+
+
+def check_unshard_and_views(dtype: str, block_rows: int) -> None:
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    tensors = _tensors(world, dtype)
+    buf = DBuffer(tensors, mesh, block_rows=block_rows)
+    assert buf.local.numel() == buf.shard_size
+    storage = buf.local.untyped_storage().data_ptr()
+    for name, t in tensors:
+        sharded = buf.sharded(name)
+        local = sharded.to_local()
+        if t.numel():
+            assert isinstance(sharded.placements[0], RaggedShard)
+            assert local.untyped_storage().data_ptr() == storage  # a view of `local`
+            lo, hi = flat_range(sharded)
+            assert torch.equal(local, t.reshape(-1)[lo:hi])
+        assert torch.equal(sharded.full_tensor(), t)
+    for cycle in range(2):
+        buf.unshard().wait()
+        views = {name: buf.full(name) for name, _ in tensors}
+        for name, t in tensors:
+            assert torch.equal(views[name], t), (name, cycle)
+            assert buf.full(name) is views[name]  # the same object every time
+        buf.reshard()
+        try:
+            buf.full("w1")
+        except RuntimeError as exc:
+            assert "unshard()" in str(exc)
+        else:
+            raise AssertionError("full() while resharded must raise")
+
+
+def check_mixed_precision_unshard() -> None:
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    tensors = _tensors(world, "fp32", seed=1)
+    buf = DBuffer(tensors, mesh)
+    buf.unshard(dtype=torch.bfloat16).wait()
+    for name, t in tensors:
+        got = buf.full(name, dtype=torch.bfloat16)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, t.to(torch.bfloat16))
+
+
+def check_async_unshard_overlaps_compute() -> None:
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    tensors = _tensors(world, "fp32", seed=2)
+    buf = DBuffer(tensors, mesh)
+    handle = buf.unshard(async_op=True)
+    busy = torch.randn(64, 64) @ torch.randn(64, 64)  # compute while the all-gather runs
+    handle.wait()
+    assert torch.isfinite(busy).all()
+    for name, t in tensors:
+        assert torch.equal(buf.full(name), t)
+
+
+def check_reduce_scatter(op: str, dtype: str) -> None:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,))
+    tensors = _tensors(world, dtype, seed=3)
+    buf = DBuffer(tensors, mesh, block_rows=2)
+    grads = {
+        name: torch.full(t.shape, float(rank + 1)).to(t.dtype) * (i + 1)
+        for i, (name, t) in enumerate(tensors)
+    }
+    for name, g in grads.items():
+        buf.full_grad(name).copy_(g)
+    buf.reduce_scatter(op=op).wait()
+    scale = world * (world + 1) / 2 / (world if op == "avg" else 1)
+    for i, (name, t) in enumerate(tensors):
+        expected = torch.full(t.shape, scale * (i + 1)).to(t.dtype)
+        got = buf.sharded_grad(name).full_tensor()
+        torch.testing.assert_close(got, expected)
+    buf.zero_grad()
+    assert not buf.local_grad.any()
+
+
+def check_hsdp() -> None:
+    mesh = init_device_mesh("cpu", (2, 2))
+    rank = dist.get_rank()
+    tensors = _tensors(2, "fp32", seed=4)
+    buf = DBuffer(tensors, mesh, shard_dim=1, replicate_dim=0)
+    buf.unshard().wait()
+    for name, t in tensors:
+        assert torch.equal(buf.full(name), t)
+    for name, _ in tensors:
+        buf.full_grad(name).fill_(float(rank + 1))
+    buf.reduce_scatter(op="avg").wait()
+    buf.all_reduce(op="avg").wait()
+    for name, t in tensors:
+        torch.testing.assert_close(buf.sharded_grad(name).full_tensor(), torch.full(t.shape, 2.5))
+
+
+def _raises(error: type[Exception], fn, match: str) -> None:  # type: ignore[no-untyped-def]
+    try:
+        fn()
+    except error as exc:
+        assert match in str(exc), f"expected {match!r} in {exc}"
+    else:
+        raise AssertionError(f"expected {error.__name__} matching {match!r}")
+
+
+def check_bad_input() -> None:
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    a = torch.randn(4, 3)
+    _raises(ValueError, lambda: DBuffer([("a", a.t())], mesh), "must be contiguous")
+    _raises(ValueError, lambda: DBuffer([("a", a), ("b", a.double())], mesh), "one dtype")
+    _raises(ValueError, lambda: DBuffer([("a", a), ("a", a)], mesh), "unique")
+    _raises(ValueError, lambda: DBuffer([], mesh), "at least one")
+    _raises(ValueError, lambda: DBuffer([("a", a)], mesh, shard_dim=1), "mesh axis")
+    buf = DBuffer([("a", a)], mesh)
+    _raises(KeyError, lambda: buf.full("nope"), "no tensor named 'nope'")
+    _raises(RuntimeError, lambda: buf.full("a"), "call unshard()")
+    _raises(ValueError, lambda: buf.reduce_scatter(op="max"), "op must be one of")  # type: ignore[arg-type]
+    other = DBuffer([("x", torch.randn(5))], mesh)
+    _raises(ValueError, lambda: DBuffer([("a", a)], mesh, layout=other.layout), "does not match")
