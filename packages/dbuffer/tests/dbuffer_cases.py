@@ -134,3 +134,77 @@ def check_bad_input() -> None:
     _raises(ValueError, lambda: buf.reduce_scatter(op="max"), "op must be one of")  # type: ignore[arg-type]
     other = DBuffer([("x", torch.randn(5))], mesh)
     _raises(ValueError, lambda: DBuffer([("a", a)], mesh, layout=other.layout), "does not match")
+
+
+_COPY_OPS = {
+    "aten::copy_",
+    "aten::cat",
+    "aten::split_with_sizes_copy",
+    "aten::_chunk_cat",
+    "aten::clone",
+    "aten::_to_copy",
+    "aten::index_put_",
+    "aten::index_copy_",
+    "aten::scatter_",
+    "aten::index_select",
+}
+_ALLOC_OPS = {
+    "aten::empty",
+    "aten::empty_strided",
+    "aten::zeros",
+    "aten::empty_like",
+    "aten::zeros_like",
+}
+
+
+def _ours(prof: object, marker: str) -> list[object]:
+    """Events inside `marker` that are not part of a collective (backends copy internally)."""
+    picked = []
+    for event in prof.events():  # type: ignore[attr-defined]
+        chain, parent = [], event.cpu_parent
+        while parent is not None:
+            chain.append(parent.name)
+            parent = parent.cpu_parent
+        backend = ("c10d::", "gloo:", "nccl:", "DBuffer::")  # inside a collective or its wait
+        if marker in chain and not any(n.startswith(backend) for n in chain):
+            picked.append(event)
+    return picked
+
+
+def check_zero_copy(mixed: bool) -> dict[str, int]:
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    buf = DBuffer(_tensors(world, "fp32", seed=5), mesh)
+    dtype = torch.bfloat16 if mixed else None
+    buf.unshard(dtype=dtype).wait()
+    for name in buf.names:
+        buf.full_grad(name).fill_(1.0)
+    buf.reshard()
+    global_storage = buf._global[dtype or torch.float32].untyped_storage()
+    before = global_storage.size()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        with record_function("unshard"):
+            buf.unshard(dtype=dtype).wait()
+        with record_function("reduce_scatter"):
+            buf.reduce_scatter().wait()
+    unshard, reduce = _ours(prof, "unshard"), _ours(prof, "reduce_scatter")
+    copies = [f"{e.name}{e.input_shapes}" for e in unshard + reduce if e.name in _COPY_OPS]
+    allocating_ops = [f"{e.name}{e.input_shapes}" for e in unshard if e.name in _ALLOC_OPS]
+    # Views point into the buffers.
+    storage = buf._global[dtype or torch.float32].untyped_storage().data_ptr()
+    assert all(buf.full(n, dtype=dtype).untyped_storage().data_ptr() == storage for n in buf.names)
+    assert all(
+        buf.sharded_grad(n).to_local().untyped_storage().data_ptr()
+        == buf.local_grad.untyped_storage().data_ptr()
+        for n in buf.names
+    )
+    nbytes = buf.layout.buffer_numel * (dtype or torch.float32).itemsize
+    return {
+        "copies": copies,
+        "allocating_ops": allocating_ops,
+        # The one allocation of an unshard: the global storage growing back (no op allocates).
+        "storage_bytes": [before, global_storage.size()],
+        "buffer_bytes": nbytes,
+    }

@@ -41,3 +41,16 @@ def test_hsdp_2x2(pools) -> None:
 @pytest.mark.parametrize("world", [1, 3])
 def test_bad_input(pools, world) -> None:
     pools[world].run(cases.check_bad_input)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_unshard_and_reduce_scatter_make_no_copies(pools, world) -> None:
+    # Outside the collectives themselves (gloo stages data internally), unshard and
+    # reduce_scatter run no copy kernel; mixed precision adds exactly the one cast.
+    for mixed, expected in ((False, 0), (True, 1)):
+        results = pools[world].run(cases.check_zero_copy, mixed)
+        for r in results:
+            assert len(r["copies"]) == expected, r
+            assert r["allocating_ops"] == [], r
+            # One allocation per unshard: the global buffer's storage growing back.
+            assert r["storage_bytes"] == [0, r["buffer_bytes"]], r

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.placement_types import Placement
+from torch.profiler import record_function
 
 from ragged_placement import RaggedShard
 from shard_planner import Layout, TensorSpec, plan_layout
@@ -42,8 +43,11 @@ class Handle:
 
     def wait(self) -> None:
         """Waits for the collective."""
-        for work in self._works:
-            work.wait()
+        if self._works:
+            # Backends may finish a collective (e.g. copy out of a staging buffer) in wait().
+            with record_function("DBuffer::wait"):
+                for work in self._works:
+                    work.wait()
         self._works = []
 
 
@@ -175,7 +179,7 @@ class DBuffer:
     # -- unshard / reshard --------------------------------------------------------------------
 
     def _global_buffer(self, dtype: torch.dtype) -> torch.Tensor:
-        nbytes = self.layout.buffer_numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = self.layout.buffer_numel * dtype.itemsize
         buffer = self._global.get(dtype)
         if buffer is None:
             buffer = torch.empty(self.layout.buffer_numel, dtype=dtype, device=self.device)
@@ -196,12 +200,21 @@ class DBuffer:
         """
         dtype = dtype or self.dtype
         buffer = self._global_buffer(dtype)
-        send = self.local if dtype == self.dtype else self.local.to(dtype)
         self._unsharded.add(dtype)
-        if self._group.size() == 1:
-            buffer.copy_(send)
+        if dtype == self.dtype:
+            send = self.local
+        else:
+            # Cast straight into this rank's own chunk of the global buffer (the only
+            # elementwise pass) and all-gather in place: no send buffer is allocated.
+            start = self._rank * self.shard_size
+            send = buffer[start : start + self.shard_size]
+            send.copy_(self.local)
+        if self._group.size() == 1:  # the buffer is this rank's chunk
+            if dtype == self.dtype:
+                buffer.copy_(self.local)
             return Handle()
-        work = dist.all_gather_single(buffer, send, group=self._group, async_op=async_op)
+        with record_function("DBuffer::all_gather"):
+            work = dist.all_gather_single(buffer, send, group=self._group, async_op=async_op)
         return Handle([work] if async_op else [])
 
     def reshard(self) -> None:
@@ -273,11 +286,12 @@ class DBuffer:
             out.copy_(send)
             works: list[dist.Work | None] = []
         else:
-            works = [
-                dist.reduce_scatter_single(
-                    out, send, op=_OPS[op], group=self._group, async_op=async_op
-                )
-            ]
+            with record_function("DBuffer::reduce_scatter"):
+                works = [
+                    dist.reduce_scatter_single(
+                        out, send, op=_OPS[op], group=self._group, async_op=async_op
+                    )
+                ]
         if out is not self.local_grad:
             for w in works:
                 if w is not None:
@@ -293,7 +307,8 @@ class DBuffer:
         if self.replicate_dim is None or self.mesh.size(self.replicate_dim) == 1:
             return Handle()
         group = self.mesh.get_group(self.replicate_dim)
-        work = dist.all_reduce(self.local_grad, op=_OPS[op], group=group, async_op=async_op)
+        with record_function("DBuffer::all_reduce"):
+            work = dist.all_reduce(self.local_grad, op=_OPS[op], group=group, async_op=async_op)
         return Handle([work] if async_op else [])
 
     # -- group ops ----------------------------------------------------------------------------
