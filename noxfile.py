@@ -162,11 +162,12 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def bench(session: nox.Session) -> None:
-    """Run a benchmark: `nox -s bench -- planner` or `nox -s bench -- placement [--quick]`."""
+    """Run a benchmark: `nox -s bench -- planner|placement|dbuffer [script options]`."""
     which = session.posargs[0] if session.posargs else "planner"
     scripts = {
         "planner": "packages/shard-planner/benchmarks/bench_planner.py",
         "placement": "packages/ragged-placement/benchmarks/bench_placement.py",
+        "dbuffer": "packages/dbuffer/benchmarks/bench_dbuffer.py",
     }
     if which not in scripts:
         session.error(f"unknown benchmark {which!r}; valid: {', '.join(scripts)}")
