@@ -126,6 +126,8 @@ def check_bad_input() -> None:
     _raises(ValueError, lambda: DBuffer([("a", a.t())], mesh), "must be contiguous")
     _raises(ValueError, lambda: DBuffer([("a", a), ("b", a.double())], mesh), "one dtype")
     _raises(ValueError, lambda: DBuffer([("a", a), ("a", a)], mesh), "unique")
+    meta = torch.empty(2, device="meta")
+    _raises(ValueError, lambda: DBuffer([("a", a), ("m", meta)], mesh), "one device")
     _raises(ValueError, lambda: DBuffer([], mesh), "at least one")
     _raises(ValueError, lambda: DBuffer([("a", a)], mesh, shard_dim=1), "mesh axis")
     buf = DBuffer([("a", a)], mesh)

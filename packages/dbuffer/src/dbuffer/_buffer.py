@@ -218,7 +218,11 @@ class DBuffer:
         return Handle([work] if async_op else [])
 
     def reshard(self) -> None:
-        """Frees the global buffers; the `full` views stay valid objects for the next unshard."""
+        """Frees the global buffers; the `full` views stay the same objects for the next unshard.
+
+        Until then `full(name)` raises, but a view obtained earlier must not be read: its
+        storage is freed (as with FSDP2's unsharded parameters, reading it is undefined).
+        """
         for buffer in self._global.values():
             buffer.untyped_storage().resize_(0)
         self._unsharded.clear()
