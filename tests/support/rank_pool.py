@@ -128,3 +128,13 @@ class Pools:
         for pool in self._pools.values():
             if not pool.broken:
                 pool.close()
+
+
+def expect_error(error: type[BaseException], fn: Callable[[], object], match: str) -> None:
+    """Asserts that fn() raises `error` with `match` in its message (usable inside ranks)."""
+    try:
+        fn()
+    except error as exc:
+        assert match in str(exc), f"expected {match!r} in {exc}"
+    else:
+        raise AssertionError(f"expected {error.__name__} matching {match!r}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from rank_pool import expect_error
 from torch.distributed.device_mesh import init_device_mesh
 
 from dbuffer import DBuffer
@@ -110,32 +111,25 @@ def check_hsdp() -> None:
         torch.testing.assert_close(buf.sharded_grad(name).full_tensor(), torch.full(t.shape, 2.5))
 
 
-def _raises(error: type[Exception], fn, match: str) -> None:  # type: ignore[no-untyped-def]
-    try:
-        fn()
-    except error as exc:
-        assert match in str(exc), f"expected {match!r} in {exc}"
-    else:
-        raise AssertionError(f"expected {error.__name__} matching {match!r}")
-
-
 def check_bad_input() -> None:
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     a = torch.randn(4, 3)
-    _raises(ValueError, lambda: DBuffer([("a", a.t())], mesh), "must be contiguous")
-    _raises(ValueError, lambda: DBuffer([("a", a), ("b", a.double())], mesh), "one dtype")
-    _raises(ValueError, lambda: DBuffer([("a", a), ("a", a)], mesh), "unique")
+    expect_error(ValueError, lambda: DBuffer([("a", a.t())], mesh), "must be contiguous")
+    expect_error(ValueError, lambda: DBuffer([("a", a), ("b", a.double())], mesh), "one dtype")
+    expect_error(ValueError, lambda: DBuffer([("a", a), ("a", a)], mesh), "unique")
     meta = torch.empty(2, device="meta")
-    _raises(ValueError, lambda: DBuffer([("a", a), ("m", meta)], mesh), "one device")
-    _raises(ValueError, lambda: DBuffer([], mesh), "at least one")
-    _raises(ValueError, lambda: DBuffer([("a", a)], mesh, shard_dim=1), "mesh axis")
+    expect_error(ValueError, lambda: DBuffer([("a", a), ("m", meta)], mesh), "one device")
+    expect_error(ValueError, lambda: DBuffer([], mesh), "at least one")
+    expect_error(ValueError, lambda: DBuffer([("a", a)], mesh, shard_dim=1), "mesh axis")
     buf = DBuffer([("a", a)], mesh)
-    _raises(KeyError, lambda: buf.full("nope"), "no tensor named 'nope'")
-    _raises(RuntimeError, lambda: buf.full("a"), "call unshard()")
-    _raises(ValueError, lambda: buf.reduce_scatter(op="max"), "op must be one of")  # type: ignore[arg-type]
+    expect_error(KeyError, lambda: buf.full("nope"), "no tensor named 'nope'")
+    expect_error(RuntimeError, lambda: buf.full("a"), "call unshard()")
+    expect_error(ValueError, lambda: buf.reduce_scatter(op="max"), "op must be one of")  # type: ignore[arg-type]
     other = DBuffer([("x", torch.randn(5))], mesh)
-    _raises(ValueError, lambda: DBuffer([("a", a)], mesh, layout=other.layout), "does not match")
+    expect_error(
+        ValueError, lambda: DBuffer([("a", a)], mesh, layout=other.layout), "does not match"
+    )
 
 
 _COPY_OPS = {

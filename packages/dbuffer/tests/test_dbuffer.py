@@ -2,16 +2,8 @@
 
 import dbuffer_cases as cases
 import pytest
-from rank_pool import Pools
 
 WORLD_SIZES = [1, 2, 3, 4]
-
-
-@pytest.fixture(scope="module")
-def pools():
-    pools = Pools()
-    yield pools
-    pools.close()
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from rank_pool import expect_error
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
@@ -362,36 +363,34 @@ def check_hsdp(shape: tuple[int, ...], units: tuple[int, int]) -> None:
 # -- bad input -------------------------------------------------------------------------------
 
 
-def _raises(fn: Any, match: str) -> None:
-    try:
-        fn()
-    except ValueError as exc:
-        assert match in str(exc), f"expected {match!r} in {exc}"
-    else:
-        raise AssertionError(f"expected ValueError matching {match!r}")
-
-
 def check_bad_input() -> None:
     mesh, world = _mesh(), dist.get_world_size()
     full = _full((4 * world, 3))
     ok = (1,) * world
-    _raises(
+    expect_error(
+        ValueError,
         lambda: distribute_tensor(full, mesh, [RaggedShard((0,), (1,) * (world + 1))]),
         "local_units (the axis size)",
     )
-    _raises(
+    expect_error(
+        ValueError,
         lambda: distribute_tensor(
             torch.randn(world * 2 + 1, 3), mesh, [RaggedShard((0,), (2,) + (0,) * (world - 1))]
         ),
         "whole rows",
     )
-    _raises(
-        lambda: distribute_tensor(full.t(), mesh, [RaggedShard((0,), ok)]), "must be contiguous"
+    expect_error(
+        ValueError,
+        lambda: distribute_tensor(full.t(), mesh, [RaggedShard((0,), ok)]),
+        "must be contiguous",
     )
-    _raises(
-        lambda: DTensor.from_local(torch.randn(3), mesh, [RaggedShard((0,), ok)]), "needs shape="
+    expect_error(
+        ValueError,
+        lambda: DTensor.from_local(torch.randn(3), mesh, [RaggedShard((0,), ok)]),
+        "needs shape=",
     )
-    _raises(
+    expect_error(
+        ValueError,
         lambda: DTensor.from_local(torch.randn(5), mesh, [RaggedShard((0,), ok)], shape=full.shape),
         "must be 1-D with 12 elements",
     )
@@ -399,7 +398,9 @@ def check_bad_input() -> None:
         mesh2 = init_device_mesh("cpu", (world // 2, 2)) if world % 2 == 0 else None
         if mesh2 is not None:
             two = [RaggedShard((0,), (1,) * (world // 2)), RaggedShard((0,), (1, 1))]
-            _raises(lambda: distribute_tensor(full, mesh2, two), "at most one RaggedShard")
+            expect_error(
+                ValueError, lambda: distribute_tensor(full, mesh2, two), "at most one RaggedShard"
+            )
     if world % 2 == 0:
         # A mesh of another shape over the same ranks is a different mesh.
         other_mesh = init_device_mesh("cpu", (2, world // 2))

@@ -2,7 +2,6 @@
 
 import pytest
 import ragged_cases as cases
-from rank_pool import Pools
 
 WORLD_SIZES = [1, 2, 3, 4]
 # Balanced, uneven with an empty rank, and one-hot units for each world size.
@@ -18,13 +17,6 @@ def _shapes(units):
     n = sum(units)
     # (shape, dims): 1-D to 4-D; dims=(0, 1) keeps only the last dim whole.
     return [((4 * n,), (0,)), ((2 * n, 3), (0,)), ((n, 2, 5), (0, 1)), ((n, 2, 3, 2), (0,))]
-
-
-@pytest.fixture(scope="module")
-def pools():
-    pools = Pools()
-    yield pools
-    pools.close()
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
