@@ -247,6 +247,12 @@ def check_elementwise(shape: tuple[int, ...], units: tuple[int, ...], dtype: str
         assert got.placements == (placement,), (name, got.placements)
         assert got.dtype == want.dtype, name
         torch.testing.assert_close(got.full_tensor(), want, msg=name)
+    # In place on a Replicate tensor with a RaggedShard operand: the written tensor keeps its
+    # spec (the operand is gathered), it is not silently replaced by a resharded copy.
+    r = distribute_tensor(b_full.clone(), mesh, [Replicate()], src_data_rank=None)
+    r.add_(a)
+    assert r.placements == (Replicate(),)
+    torch.testing.assert_close(r.to_local(), b_full + a_full)
     c = a.clone()
     c.mul_(b).add_(1.0)
     torch.testing.assert_close(c.full_tensor(), a_full * b_full + 1.0)

@@ -119,8 +119,18 @@ def _align_operand(arg: object, ref: DTensorSpec, op: object) -> object:
     return DTensorSpec(ref.mesh, ref.placements, tensor_meta=arg.tensor_meta)
 
 
+def _writes_first_arg(op: torch._ops.OpOverload) -> bool:
+    first = op._schema.arguments[0] if op._schema.arguments else None
+    return first is not None and first.alias_info is not None and first.alias_info.is_write
+
+
 def _elementwise(op_schema: OpSchema, metas: Any, args: Sequence[object]) -> OutputSharding:
-    ref = next(a for a in args if has_ragged(a))
+    self_spec = op_schema.args_schema[0] if op_schema.args_schema else None
+    if _writes_first_arg(op_schema.op) and isinstance(self_spec, DTensorSpec):
+        # In place: the tensor written keeps its spec; the other operands adapt to it.
+        ref: object = self_spec
+    else:
+        ref = next(a for a in args if has_ragged(a))
     assert isinstance(ref, DTensorSpec)
     new_args = tuple(_align_operand(a, ref, op_schema.op) for a in op_schema.args_schema)
     new_kwargs = {
@@ -132,10 +142,14 @@ def _elementwise(op_schema: OpSchema, metas: Any, args: Sequence[object]) -> Out
 def _foreach(op_schema: OpSchema, metas: Any) -> OutputSharding:
     lists = [a for a in op_schema.args_schema if isinstance(a, (list, tuple))]
     length = len(lists[0])
+    in_place = _writes_first_arg(op_schema.op)
     refs: list[DTensorSpec | None] = []
     for i in range(length):
         column = [lst[i] for lst in lists if len(lst) == length]
-        refs.append(next((a for a in column if has_ragged(a)), None))
+        if in_place and isinstance(column[0], DTensorSpec):
+            refs.append(column[0])  # the tensor written keeps its spec
+        else:
+            refs.append(next((a for a in column if has_ragged(a)), None))
 
     def align(arg: object) -> object:
         if isinstance(arg, (list, tuple)) and len(arg) == length:
