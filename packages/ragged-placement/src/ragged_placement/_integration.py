@@ -18,6 +18,7 @@ from ragged_placement._compat import (
     TensorMeta,
     contiguous_strides,
     make_dtensor,
+    spec_of,
 )
 from ragged_placement._ops import propagate, schema_has_ragged
 from ragged_placement._placement import RaggedShard, StridedRaggedShard
@@ -72,29 +73,14 @@ class RaggedHooks:
         check_placements(placements, tensor.shape, tuple(mesh.shape))
         meta = TensorMeta(shape=tensor.shape, stride=tensor.stride(), dtype=tensor.dtype)
         spec = DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
-        if strided_axes(placements) is not None:
-            # Each rank's piece as for the unstrided form, then its chunk of the piece.
-            piece = self.distribute(
-                tensor, mesh, unstrided(spec).placements, original, src_data_rank
-            )
-            lo, hi, _ = strided_chunk(spec)
-            local = piece.to_local()[lo:hi].clone()
-            return make_dtensor(
-                local.detach().requires_grad_(tensor.requires_grad),
-                spec,
-                requires_grad=tensor.requires_grad,
-            )
-        # Other axes first (torch's own code, honouring src_data_rank); then this rank's
-        # piece of the block they leave. With src_data_rank=None nothing is communicated.
-        plain = [Replicate() if isinstance(p, RaggedShard) else p for p in placements]
-        local = original(tensor, mesh, plain, src_data_rank=src_data_rank).to_local()
-        for axis, p in enumerate(placements):
-            if isinstance(p, RaggedShard):
-                lo, hi = p.flat_ranges(list(local.shape), mesh.size(axis))[
-                    mesh.get_local_rank(axis)
-                ]
-                # clone: the piece must not keep the whole block alive.
-                local = local.reshape(-1)[lo:hi].clone()
+        # torch distributes the other axes (honouring src_data_rank; None = no communication)
+        # and leaves the ragged axis whole; the ragged cut is then a local slice, the same
+        # Replicate -> RaggedShard step redistribute takes (it clones: the piece must not
+        # keep the whole block alive).
+        plain = list(unstrided(spec).placements if strided_axes(placements) else placements)
+        plain = [Replicate() if isinstance(p, RaggedShard) else p for p in plain]
+        block = original(tensor, mesh, plain, src_data_rank=src_data_rank)
+        local = redistribute_ragged(block.to_local(), spec_of(block), spec, original)
         requires_grad = tensor.requires_grad
         return make_dtensor(
             local.detach().requires_grad_(requires_grad), spec, requires_grad=requires_grad

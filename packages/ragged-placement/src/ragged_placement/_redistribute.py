@@ -181,15 +181,16 @@ def redistribute_ragged(
     """
     if current.mesh != target.mesh:
         raise ValueError(f"cannot redistribute across meshes ({current.mesh} -> {target.mesh})")
+    mesh_shape = tuple(current.mesh.shape)
+    check_placements(current.placements, current.shape, mesh_shape)
+    check_placements(target.placements, target.shape, mesh_shape)
     if current.placements == target.placements:
         return local
     # A StridedRaggedShard goes through its unstrided form: gather the chunks of each piece
     # (within the Shard(0) axis) first, and cut the target's chunk locally at the end.
     if strided_axes(current.placements) is not None:
-        check_placements(current.placements, current.shape, tuple(current.mesh.shape))
         local, current = _unstride(local, current), unstrided(current)
     if strided_axes(target.placements) is not None:
-        check_placements(target.placements, target.shape, tuple(target.mesh.shape))
         piece = _redistribute_plain(local, current, unstrided(target), original)
         lo, hi, _ = strided_chunk(target)
         return piece.reshape(-1)[lo:hi].clone()
@@ -204,9 +205,8 @@ def _redistribute_plain(
     *,
     async_op: bool = False,
 ) -> torch.Tensor:
+    # Both specs were validated by redistribute_ragged (unstriding keeps them valid).
     mesh_shape = tuple(current.mesh.shape)
-    check_placements(current.placements, current.shape, mesh_shape)
-    check_placements(target.placements, target.shape, mesh_shape)
     if current.placements == target.placements:
         return local
     changed = [
