@@ -122,7 +122,11 @@ def check_bad_input() -> None:
     expect_error(ValueError, lambda: DBuffer([("a", a), ("m", meta)], mesh), "one device")
     expect_error(ValueError, lambda: DBuffer([], mesh), "at least one")
     expect_error(ValueError, lambda: DBuffer([("a", a)], mesh, shard_dim=1), "mesh axis")
+    expect_error(ValueError, lambda: DBuffer([("a", a)], mesh, block_rows={"z": 2}), "['z']")
+    expect_error(TypeError, lambda: DBuffer([("a", a)], mesh, block_rows=[2]), "block_rows must be")
+    expect_error(ValueError, lambda: DBuffer([("a", a)], mesh, align_bytes=6), "align_bytes")
     buf = DBuffer([("a", a)], mesh)
+    expect_error(TypeError, lambda: buf.unshard(dtype="bf16"), "torch.dtype")
     expect_error(KeyError, lambda: buf.full("nope"), "no tensor named 'nope'")
     expect_error(RuntimeError, lambda: buf.full("a"), "call unshard()")
     expect_error(ValueError, lambda: buf.reduce_scatter(op="max"), "op must be one of")  # type: ignore[arg-type]

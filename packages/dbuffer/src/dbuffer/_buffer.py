@@ -94,13 +94,20 @@ class DBuffer:
             raise ValueError(f"replicate_dim and shard_dim must differ, both are {shard_dim}")
         first = tensors[0][1]
         self.dtype, self.device = first.dtype, first.device
+        _check_block_rows(block_rows, {name for name, _ in tensors})
         self._shapes = {name: t.shape for name, t in tensors}
         world = mesh.size(self.shard_dim)
         specs = [
             TensorSpec.from_shape(name, t.shape, _rows(block_rows, name, t.shape), num_shard_dims=1)
             for name, t in tensors
         ]
-        if align_bytes < 1 or align_bytes % first.element_size():
+        align_value: object = align_bytes  # callers may pass anything; check before trusting
+        if (
+            isinstance(align_value, bool)
+            or not isinstance(align_value, int)
+            or align_bytes < 1
+            or align_bytes % first.element_size()
+        ):
             raise ValueError(
                 f"align_bytes must be a positive multiple of the itemsize {first.element_size()}, "
                 f"got {align_bytes}"
@@ -198,7 +205,7 @@ class DBuffer:
         Returns:
             A Handle; `full(name)` may be read after `wait()`.
         """
-        dtype = dtype or self.dtype
+        dtype = _check_dtype("unshard dtype", dtype) or self.dtype
         buffer = self._global_buffer(dtype)
         self._unsharded.add(dtype)
         if dtype == self.dtype:
@@ -234,7 +241,7 @@ class DBuffer:
             RuntimeError: the buffer is resharded (call `unshard()` first).
         """
         self._check_name(name)
-        dtype = dtype or self.dtype
+        dtype = _check_dtype("full dtype", dtype) or self.dtype
         if dtype not in self._unsharded:
             raise RuntimeError(
                 f"DBuffer is resharded ({dtype}); call unshard() before full({name!r})"
@@ -266,12 +273,14 @@ class DBuffer:
 
         Args:
             op: "avg" or "sum" over the shard axis.
-            divide_factor: Divide the gradients by this before summing (replaces `op`).
+            divide_factor: Divide the gradients by this before summing (replaces `op`); the
+                division happens in place on the global gradient buffer.
             reduce_dtype: Reduce in this dtype (e.g. float32 for bf16 gradients).
             async_op: Return before the collective completes.
         """
         if op not in _OPS:
             raise ValueError(f"op must be one of {sorted(_OPS)}, got {op!r}")
+        _check_dtype("reduce_dtype", reduce_dtype)
         if self._grad is None:
             raise RuntimeError("no gradient to reduce: write into full_grad(name) first")
         grad = self._grad
@@ -351,7 +360,25 @@ def _rows(block_rows: BlockRows, name: str, shape: torch.Size) -> int:
         return block_rows
     if isinstance(block_rows, Mapping):
         return block_rows.get(name, 1)
-    return block_rows(name, shape)
+    if callable(block_rows):
+        return block_rows(name, shape)
+    raise TypeError(
+        f"block_rows must be an int, a mapping of name to int, or a function of (name, shape); "
+        f"got {type(block_rows).__name__}"
+    )
+
+
+def _check_block_rows(block_rows: BlockRows, names: set[str]) -> None:
+    if isinstance(block_rows, Mapping):
+        unknown = sorted(set(block_rows) - names)
+        if unknown:
+            raise ValueError(f"block_rows names tensors that are not in the DBuffer: {unknown}")
+
+
+def _check_dtype(what: str, dtype: object) -> torch.dtype | None:
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{what} must be a torch.dtype or None, got {dtype!r}")
+    return dtype
 
 
 def _check_axis(what: str, axis: object, mesh: DeviceMesh) -> int:
