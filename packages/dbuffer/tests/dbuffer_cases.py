@@ -111,6 +111,82 @@ def check_hsdp() -> None:
         torch.testing.assert_close(buf.sharded_grad(name).full_tensor(), torch.full(t.shape, 2.5))
 
 
+def check_freed_views_raise() -> None:
+    """Views of freed buffers raise a clear error when read and work again once re-allocated."""
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    tensors = dict(_tensors(world, "fp32", seed=6))
+    buf = DBuffer(list(tensors.items()), mesh, block_rows=2)
+    buf.unshard().wait()
+    w1 = buf.full("w1")
+    derived = {"t()": w1.t(), "row": w1[1], "param": torch.nn.Parameter(w1)}
+    expected = {"t()": w1.t().contiguous(), "row": w1[1].clone(), "param": w1.clone()}
+    buf.reshard()
+    freed = "unsharded tensor 'w1' is freed"
+    readers = {
+        "add": lambda: w1 + 1,
+        "sum": lambda: w1.sum(),
+        "matmul": lambda: w1 @ torch.ones(8, 2),
+        "repr": lambda: repr(w1),
+        "in-place": lambda: w1.add_(1),
+        "linear": lambda: torch.nn.functional.linear(torch.ones(1, 8), derived["param"]),
+        "t()": lambda: derived["t()"].sum(),
+        "row": lambda: derived["row"] * 2,
+        "foreach": lambda: torch._foreach_mul([w1, buf.full_grad("w1")], 2.0),
+    }
+    for read in readers.values():
+        expect_error(RuntimeError, read, freed)
+    # Metadata stays readable while freed; the empty tensor has nothing to free.
+    assert w1.shape == tensors["w1"].shape and w1.dtype == torch.float32 and w1.grad is None
+    assert w1.numel() == tensors["w1"].numel() and w1.stride() == (8, 1)
+    buf.unshard().wait()
+    assert torch.equal(w1, tensors["w1"])
+    for what, tensor in derived.items():
+        assert torch.equal(tensor, expected[what]), what
+    # The full gradient buffer is released by reduce_scatter and comes back zeroed.
+    grad = buf.full_grad("w1")
+    grad.fill_(1.0)
+    buf.reduce_scatter(op="sum").wait()
+    expect_error(RuntimeError, lambda: grad.sum(), "full gradient 'w1' is freed")
+    assert buf.full_grad("w1") is grad and not grad.any()
+
+
+def check_async_handles() -> None:
+    """Async reduce-scatter in a reduce dtype; reshard / full_grad wait for work in flight."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,))
+    tensors = _tensors(world, "bf16", seed=7)
+    buf = DBuffer(tensors, mesh)
+    for name in buf.names:
+        buf.full_grad(name).fill_(float(rank + 1) / 4)
+    handle = buf.reduce_scatter(op="sum", reduce_dtype=torch.float32, async_op=True)
+    busy = torch.randn(64, 64) @ torch.randn(64, 64)  # compute while the reduce runs
+    handle.wait()
+    handle.wait()  # idempotent
+    assert torch.isfinite(busy).all()
+    total = world * (world + 1) / 2 / 4
+    for name, t in tensors:
+        expected = torch.full(t.shape, total).to(torch.bfloat16)
+        torch.testing.assert_close(buf.sharded_grad(name).full_tensor(), expected)
+    # full_grad() while a reduce-scatter is in flight waits for it: the new buffer is zero
+    # and the reduced values are the ones written before.
+    for name in buf.names:
+        buf.full_grad(name).fill_(1.0)
+    buf.reduce_scatter(op="avg", async_op=True)
+    assert not buf.full_grad("w1").any()
+    torch.testing.assert_close(
+        buf.sharded_grad("w1").full_tensor(), torch.ones(17, 8, dtype=torch.bfloat16)
+    )
+    # reshard() right after an async unshard waits for it instead of freeing memory that the
+    # all-gather is writing.
+    for _ in range(3):
+        buf.unshard(dtype=torch.float32, async_op=True)
+        buf.reshard()
+    buf.unshard(async_op=True).wait()
+    for name, t in tensors:
+        assert torch.equal(buf.full(name), t)
+
+
 def check_bad_input() -> None:
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
@@ -130,6 +206,11 @@ def check_bad_input() -> None:
     expect_error(KeyError, lambda: buf.full("nope"), "no tensor named 'nope'")
     expect_error(RuntimeError, lambda: buf.full("a"), "call unshard()")
     expect_error(ValueError, lambda: buf.reduce_scatter(op="max"), "op must be one of")  # type: ignore[arg-type]
+    expect_error(RuntimeError, lambda: buf.reduce_scatter(), "write into full_grad")
+    buf.full_grad("a").fill_(1.0)
+    expect_error(ValueError, lambda: buf.reduce_scatter(divide_factor=0), "divide_factor")
+    expect_error(ValueError, lambda: buf.reduce_scatter(divide_factor="2"), "divide_factor")  # type: ignore[arg-type]
+    expect_error(TypeError, lambda: buf.reduce_scatter(reduce_dtype="fp32"), "torch.dtype")  # type: ignore[arg-type]
     other = DBuffer([("x", torch.randn(5))], mesh)
     expect_error(
         ValueError, lambda: DBuffer([("a", a)], mesh, layout=other.layout), "does not match"

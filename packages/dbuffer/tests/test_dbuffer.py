@@ -26,6 +26,16 @@ def test_reduce_scatter(pools, world) -> None:
             pools[world].run(cases.check_reduce_scatter, op, dtype)
 
 
+@pytest.mark.parametrize("world", [1, 3])
+def test_freed_views_raise_and_come_back(pools, world) -> None:
+    pools[world].run(cases.check_freed_views_raise)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_async_handles_and_pending_work(pools, world) -> None:
+    pools[world].run(cases.check_async_handles)
+
+
 def test_hsdp_2x2(pools) -> None:
     pools[4].run(cases.check_hsdp)
 

@@ -8,7 +8,8 @@ Example:
     True
 """
 
-from dbuffer._buffer import DBuffer, Handle
+from dbuffer._buffer import DBuffer
+from dbuffer._handle import Handle
 
 __version__ = "0.1.0"
 

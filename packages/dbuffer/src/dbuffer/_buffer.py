@@ -11,13 +11,17 @@ Memory model (see DESIGN.md, "DBuffer"):
   once into a send buffer; that cast is the only elementwise pass.
 - Gradients: `full_grad(name)` are views of one global grad buffer the caller accumulates
   into; `reduce_scatter()` reduces it straight into `local_grad`, whose views are the sharded
-  gradients; `all_reduce()` then averages them over the replicate axis (HSDP).
+  gradients, then frees it (the next `full_grad()` re-allocates it, zeroed);
+  `all_reduce()` then averages them over the replicate axis (HSDP).
+- Freed memory: views of a freed buffer raise a clear error when read (`_views.py`); on CUDA
+  frees are ordered with explicit stream waits, not `record_stream` (`_streams.py`), and a
+  collective's Handle makes the reading stream wait for it.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -27,28 +31,23 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.placement_types import Placement
 from torch.profiler import record_function
 
+from dbuffer._checks import (
+    BlockRows,
+    check_align_bytes,
+    check_axis,
+    check_block_rows,
+    check_dtype,
+    check_layout,
+    check_tensors,
+    rows_of,
+)
+from dbuffer._handle import Handle
+from dbuffer._streams import Stream, current_stream, free_storage, record_event
+from dbuffer._views import guard
 from ragged_placement import RaggedShard
 from shard_planner import Layout, TensorSpec, plan_layout
 
-BlockRows = int | Mapping[str, int] | Callable[[str, torch.Size], int]
-
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}
-
-
-class Handle:
-    """A pending collective of a DBuffer; `wait()` blocks until it is done (idempotent)."""
-
-    def __init__(self, works: Sequence[dist.Work | None] = ()) -> None:
-        self._works = [w for w in works if w is not None]
-
-    def wait(self) -> None:
-        """Waits for the collective."""
-        if self._works:
-            # Backends may finish a collective (e.g. copy out of a staging buffer) in wait().
-            with record_function("DBuffer::wait"):
-                for work in self._works:
-                    work.wait()
-        self._works = []
 
 
 class DBuffer:
@@ -84,37 +83,28 @@ class DBuffer:
         layout: Layout | None = None,
     ) -> None:
         tensors = list(tensors)
-        _check_tensors(list(tensors))
+        check_tensors(tensors)
         self.mesh = mesh
-        self.shard_dim = _check_axis("shard_dim", shard_dim, mesh)
+        self.shard_dim = check_axis("shard_dim", shard_dim, mesh)
         self.replicate_dim = (
-            None if replicate_dim is None else _check_axis("replicate_dim", replicate_dim, mesh)
+            None if replicate_dim is None else check_axis("replicate_dim", replicate_dim, mesh)
         )
         if self.replicate_dim == self.shard_dim:
             raise ValueError(f"replicate_dim and shard_dim must differ, both are {shard_dim}")
         first = tensors[0][1]
         self.dtype, self.device = first.dtype, first.device
-        _check_block_rows(block_rows, {name for name, _ in tensors})
+        check_block_rows(block_rows, {name for name, _ in tensors})
         self._shapes = {name: t.shape for name, t in tensors}
         world = mesh.size(self.shard_dim)
         specs = [
-            TensorSpec.from_shape(name, t.shape, _rows(block_rows, name, t.shape), num_shard_dims=1)
+            TensorSpec.from_shape(
+                name, t.shape, rows_of(block_rows, name, t.shape), num_shard_dims=1
+            )
             for name, t in tensors
         ]
-        align_value: object = align_bytes  # callers may pass anything; check before trusting
-        if (
-            isinstance(align_value, bool)
-            or not isinstance(align_value, int)
-            or align_bytes < 1
-            or align_bytes % first.element_size()
-        ):
-            raise ValueError(
-                f"align_bytes must be a positive multiple of the itemsize {first.element_size()}, "
-                f"got {align_bytes}"
-            )
-        align = align_bytes // first.element_size()
+        align = check_align_bytes(align_bytes, first.element_size())
         self.layout = layout if layout is not None else plan_layout(specs, world, align=align)
-        _check_layout(self.layout, specs, world)
+        check_layout(self.layout, specs, world)
         self._rank = mesh.get_local_rank(self.shard_dim)
         self._group = mesh.get_group(self.shard_dim)
         size = self.layout.shard_size
@@ -126,11 +116,17 @@ class DBuffer:
                 start = base + lo - self.layout.offsets[name]
                 self.local[lo:hi].copy_(t.reshape(-1)[start : start + hi - lo])
         self._sharded = {name: self._make_sharded(name, self.local) for name, _ in tensors}
+        # Global (unsharded) buffers by dtype, their views, the stream each was last
+        # allocated on, and the unshards still in flight into them.
         self._global: dict[torch.dtype, torch.Tensor] = {}
         self._full_views: dict[torch.dtype, dict[str, torch.Tensor]] = {}
+        self._alloc_streams: dict[torch.dtype, Stream | None] = {}
+        self._pending_unshards: list[Handle] = []
         self._unsharded: set[torch.dtype] = set()
         self._grad: torch.Tensor | None = None
         self._grad_views: dict[str, torch.Tensor] = {}
+        self._grad_stream: Stream | None = None
+        self._pending_reduce: Handle | None = None
         self.local_grad = torch.zeros_like(self.local)
         self._sharded_grads = {
             name: self._make_sharded(name, self.local_grad) for name, _ in tensors
@@ -185,27 +181,44 @@ class DBuffer:
 
     # -- unshard / reshard --------------------------------------------------------------------
 
+    def _views_of(self, buffer: torch.Tensor, what: str) -> dict[str, torch.Tensor]:
+        return {
+            name: guard(
+                buffer[off : off + self.layout.spec(name).numel].view(self._shapes[name]),
+                f"{what} {name!r}",
+            )
+            for name, off in self.layout.offsets.items()
+        }
+
     def _global_buffer(self, dtype: torch.dtype) -> torch.Tensor:
-        nbytes = self.layout.buffer_numel * dtype.itemsize
         buffer = self._global.get(dtype)
         if buffer is None:
             buffer = torch.empty(self.layout.buffer_numel, dtype=dtype, device=self.device)
             self._global[dtype] = buffer
-            self._full_views[dtype] = {
-                name: buffer[off : off + self.layout.spec(name).numel].view(self._shapes[name])
-                for name, off in self.layout.offsets.items()
-            }
-        elif buffer.untyped_storage().size() == 0:
-            buffer.untyped_storage().resize_(nbytes)  # the views see the new memory
+            self._full_views[dtype] = self._views_of(buffer, "unsharded tensor")
+            self._alloc_streams[dtype] = current_stream(self.device)
+        elif _is_freed(buffer):
+            buffer.untyped_storage().resize_(buffer.numel() * dtype.itemsize)  # views see it
+            self._alloc_streams[dtype] = current_stream(self.device)
         return buffer
 
     def unshard(self, *, dtype: torch.dtype | None = None, async_op: bool = False) -> Handle:
         """All-gathers every rank's shard into the global buffer (of `dtype`, default ours).
 
+        Runs on the current stream. On CUDA, make that stream wait for whatever last wrote
+        `local` (e.g. the optimizer step) if it is not the same stream.
+
+        Args:
+            dtype: Gather in this dtype (mixed precision); the local shard is cast once.
+            async_op: Return before the all-gather completes.
+
         Returns:
-            A Handle; `full(name)` may be read after `wait()`.
+            A Handle; call `wait()` on the stream that reads `full(name)`.
+
+        Example:
+            >>> buf.unshard(dtype=torch.bfloat16).wait()  # doctest: +SKIP
         """
-        dtype = _check_dtype("unshard dtype", dtype) or self.dtype
+        dtype = check_dtype("unshard dtype", dtype) or self.dtype
         buffer = self._global_buffer(dtype)
         self._unsharded.add(dtype)
         if dtype == self.dtype:
@@ -216,22 +229,32 @@ class DBuffer:
             start = self._rank * self.shard_size
             send = buffer[start : start + self.shard_size]
             send.copy_(self.local)
+        works: list[dist.Work | None] = []
         if self._group.size() == 1:  # the buffer is this rank's chunk
             if dtype == self.dtype:
                 buffer.copy_(self.local)
-            return Handle()
-        with record_function("DBuffer::all_gather"):
-            work = dist.all_gather_single(buffer, send, group=self._group, async_op=async_op)
-        return Handle([work] if async_op else [])
+        else:
+            with record_function("DBuffer::all_gather"):
+                works.append(
+                    dist.all_gather_single(buffer, send, group=self._group, async_op=async_op)
+                )
+        handle = Handle(works, device=self.device, event=record_event(self.device))
+        self._pending_unshards = [h for h in self._pending_unshards if not h.done] + [handle]
+        return handle
 
     def reshard(self) -> None:
         """Frees the global buffers; the `full` views stay the same objects for the next unshard.
 
-        Until then `full(name)` raises, but a view obtained earlier must not be read: its
-        storage is freed (as with FSDP2's unsharded parameters, reading it is undefined).
+        An unshard still in flight is waited for first. Until the next `unshard()`, `full(name)`
+        raises and reading a view obtained earlier raises a RuntimeError (the memory is freed).
+        Runs on the current stream: on CUDA, call it on the stream that last read the views.
         """
-        for buffer in self._global.values():
-            buffer.untyped_storage().resize_(0)
+        for handle in self._pending_unshards:
+            handle.wait()
+        self._pending_unshards = []
+        for dtype, buffer in self._global.items():
+            if not _is_freed(buffer):
+                free_storage(buffer, self._alloc_streams[dtype])
         self._unsharded.clear()
 
     def full(self, name: str, *, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -241,7 +264,7 @@ class DBuffer:
             RuntimeError: the buffer is resharded (call `unshard()` first).
         """
         self._check_name(name)
-        dtype = _check_dtype("full dtype", dtype) or self.dtype
+        dtype = check_dtype("full dtype", dtype) or self.dtype
         if dtype not in self._unsharded:
             raise RuntimeError(
                 f"DBuffer is resharded ({dtype}); call unshard() before full({name!r})"
@@ -251,15 +274,28 @@ class DBuffer:
     # -- gradients ----------------------------------------------------------------------------
 
     def full_grad(self, name: str) -> torch.Tensor:
-        """View of the global gradient buffer for `name`; accumulate the full gradient here."""
+        """View of the global gradient buffer for `name`; accumulate the full gradient here.
+
+        The buffer is allocated zeroed on first use and again after each `reduce_scatter()`
+        released it; the views keep their identity. A reduce-scatter still in flight is
+        waited for first, since it reads this buffer.
+        """
         self._check_name(name)
+        if self._pending_reduce is not None:
+            self._pending_reduce.wait()
         if self._grad is None:
             self._grad = torch.zeros(self.layout.buffer_numel, dtype=self.dtype, device=self.device)
-            self._grad_views = {
-                n: self._grad[off : off + self.layout.spec(n).numel].view(self._shapes[n])
-                for n, off in self.layout.offsets.items()
-            }
+            self._grad_views = self._views_of(self._grad, "full gradient")
+            self._grad_stream = current_stream(self.device)
+        elif _is_freed(self._grad):
+            self._grad.untyped_storage().resize_(self._grad.numel() * self.dtype.itemsize)
+            self._grad.zero_()
+            self._grad_stream = current_stream(self.device)
         return self._grad_views[name]
+
+    def _release_grad(self) -> None:
+        if self._grad is not None and not _is_freed(self._grad):
+            free_storage(self._grad, self._grad_stream)
 
     def reduce_scatter(
         self,
@@ -269,7 +305,7 @@ class DBuffer:
         reduce_dtype: torch.dtype | None = None,
         async_op: bool = False,
     ) -> Handle:
-        """Reduces the global gradient buffer across ranks into `local_grad`.
+        """Reduces the global gradient buffer across ranks into `local_grad`, then frees it.
 
         Args:
             op: "avg" or "sum" over the shard axis.
@@ -277,59 +313,90 @@ class DBuffer:
                 division happens in place on the global gradient buffer.
             reduce_dtype: Reduce in this dtype (e.g. float32 for bf16 gradients).
             async_op: Return before the collective completes.
+
+        Returns:
+            A Handle; `local_grad` and `sharded_grad(name)` hold the result after `wait()`,
+            which also frees the global gradient buffer.
+
+        Example:
+            >>> buf.full_grad("w").add_(grad_w)  # doctest: +SKIP
+            >>> buf.reduce_scatter(op="avg").wait()  # doctest: +SKIP
         """
         if op not in _OPS:
             raise ValueError(f"op must be one of {sorted(_OPS)}, got {op!r}")
-        _check_dtype("reduce_dtype", reduce_dtype)
-        if self._grad is None:
+        reduce_dtype = check_dtype("reduce_dtype", reduce_dtype)
+        if self._pending_reduce is not None:
+            self._pending_reduce.wait()
+        if self._grad is None or _is_freed(self._grad):
             raise RuntimeError("no gradient to reduce: write into full_grad(name) first")
         grad = self._grad
         if divide_factor is not None:
-            if divide_factor <= 0:
-                raise ValueError(f"divide_factor must be > 0, got {divide_factor}")
+            factor: object = divide_factor  # callers may pass anything; check before use
+            if isinstance(factor, bool) or not isinstance(factor, int | float) or factor <= 0:
+                raise ValueError(f"divide_factor must be a number > 0, got {divide_factor!r}")
             grad.div_(divide_factor)
             op = "sum"
+        # In a reduce dtype the collective reads a cast copy and writes a temporary; both
+        # stay referenced by the handle until the collective is done.
         send = grad if reduce_dtype in (None, self.dtype) else grad.to(reduce_dtype)
         out = (
             self.local_grad
             if send.dtype == self.dtype
             else torch.empty(self.shard_size, dtype=send.dtype, device=self.device)
         )
+        works: list[dist.Work | None] = []
         if self._group.size() == 1:
             out.copy_(send)
-            works: list[dist.Work | None] = []
         else:
             with record_function("DBuffer::reduce_scatter"):
-                works = [
+                works.append(
                     dist.reduce_scatter_single(
                         out, send, op=_OPS[op], group=self._group, async_op=async_op
                     )
-                ]
-        if out is not self.local_grad:
-            for w in works:
-                if w is not None:
-                    w.wait()
-            self.local_grad.copy_(out)
-            works = []
-        return Handle(works if async_op else [])
+                )
+        alloc_stream = current_stream(self.device)
+
+        def finish() -> None:
+            if out is not self.local_grad:
+                self.local_grad.copy_(out)
+                # The temporaries were allocated on the issuing stream; order their reuse.
+                for temp in (send, out):
+                    free_storage(temp, alloc_stream)
+            self._release_grad()
+            self._pending_reduce = None
+
+        handle = Handle(works, device=self.device, event=record_event(self.device), then=finish)
+        if async_op:
+            self._pending_reduce = handle
+        else:
+            handle.wait()
+        return handle
 
     def all_reduce(self, *, op: Literal["avg", "sum"] = "avg", async_op: bool = False) -> Handle:
-        """Reduces `local_grad` over the replicate axis (HSDP); a no-op without one."""
+        """Reduces `local_grad` over the replicate axis (HSDP); a no-op without one.
+
+        Example:
+            >>> buf.reduce_scatter().wait(); buf.all_reduce().wait()  # doctest: +SKIP
+        """
         if op not in _OPS:
             raise ValueError(f"op must be one of {sorted(_OPS)}, got {op!r}")
+        if self._pending_reduce is not None:
+            self._pending_reduce.wait()
         if self.replicate_dim is None or self.mesh.size(self.replicate_dim) == 1:
             return Handle()
         group = self.mesh.get_group(self.replicate_dim)
         with record_function("DBuffer::all_reduce"):
             work = dist.all_reduce(self.local_grad, op=_OPS[op], group=group, async_op=async_op)
-        return Handle([work] if async_op else [])
+        return Handle([work], device=self.device, event=record_event(self.device))
 
     # -- group ops ----------------------------------------------------------------------------
 
     def zero_grad(self) -> None:
         """Zeroes the local and (if allocated) global gradient buffers, one kernel each."""
+        if self._pending_reduce is not None:
+            self._pending_reduce.wait()
         self.local_grad.zero_()
-        if self._grad is not None:
+        if self._grad is not None and not _is_freed(self._grad):
             self._grad.zero_()
 
     def scale_grad_(self, factor: float) -> None:
@@ -355,82 +422,5 @@ class DBuffer:
             self.local[lo:hi].copy_(value.reshape(-1)[start : start + hi - lo])
 
 
-def _rows(block_rows: BlockRows, name: str, shape: torch.Size) -> int:
-    if isinstance(block_rows, int):
-        return block_rows
-    if isinstance(block_rows, Mapping):
-        return block_rows.get(name, 1)
-    if callable(block_rows):
-        return block_rows(name, shape)
-    raise TypeError(
-        f"block_rows must be an int, a mapping of name to int, or a function of (name, shape); "
-        f"got {type(block_rows).__name__}"
-    )
-
-
-def _check_block_rows(block_rows: BlockRows, names: set[str]) -> None:
-    if isinstance(block_rows, Mapping):
-        unknown = sorted(set(block_rows) - names)
-        if unknown:
-            raise ValueError(f"block_rows names tensors that are not in the DBuffer: {unknown}")
-
-
-def _check_dtype(what: str, dtype: object) -> torch.dtype | None:
-    if dtype is not None and not isinstance(dtype, torch.dtype):
-        raise TypeError(f"{what} must be a torch.dtype or None, got {dtype!r}")
-    return dtype
-
-
-def _check_axis(what: str, axis: object, mesh: DeviceMesh) -> int:
-    if isinstance(axis, bool) or not isinstance(axis, int) or not 0 <= axis < mesh.ndim:
-        raise ValueError(f"{what} must be a mesh axis in [0, {mesh.ndim}), got {axis!r}")
-    return axis
-
-
-def _check_tensors(tensors: list[tuple[str, object]]) -> None:
-    if not tensors:
-        raise ValueError("DBuffer needs at least one (name, tensor) pair")
-    seen: set[str] = set()
-    first: torch.Tensor | None = None
-    for name, t in tensors:
-        if not isinstance(t, torch.Tensor) or isinstance(t, DTensor):
-            raise TypeError(
-                f"DBuffer tensor {name!r} must be a plain torch.Tensor, got {type(t).__name__}"
-            )
-        if name in seen:
-            raise ValueError(f"DBuffer tensor names must be unique, {name!r} repeats")
-        seen.add(name)
-        first = first if first is not None else t
-        if not t.is_contiguous():
-            raise ValueError(
-                f"DBuffer tensor {name!r} must be contiguous (shape {tuple(t.shape)}, "
-                f"stride {t.stride()})"
-            )
-        if t.dtype != first.dtype:
-            raise ValueError(
-                f"DBuffer tensors must share one dtype: {name!r} is {t.dtype}, "
-                f"{tensors[0][0]!r} is {first.dtype}; make one DBuffer per dtype"
-            )
-        if t.device != first.device:
-            raise ValueError(
-                f"DBuffer tensors must share one device: {name!r} is on {t.device}, "
-                f"{tensors[0][0]!r} on {first.device}"
-            )
-
-
-def _check_layout(layout: Layout, specs: list[TensorSpec], world: int) -> None:
-    if layout.world_size != world:
-        raise ValueError(
-            f"layout is for world size {layout.world_size}, the shard axis has {world}"
-        )
-    planned = {s.name: s.numel for s in layout.tensors}
-    given = {s.name: s.numel for s in specs}
-    if planned != given:
-        missing = sorted(set(given) - set(planned))
-        extra = sorted(set(planned) - set(given))
-        wrong = sorted(n for n in set(given) & set(planned) if given[n] != planned[n])
-        raise ValueError(
-            f"layout does not match the tensors: missing {missing}, unexpected {extra}, "
-            f"different sizes {wrong}"
-        )
-    layout.validate()
+def _is_freed(buffer: torch.Tensor) -> bool:
+    return buffer.numel() > 0 and buffer.untyped_storage().nbytes() == 0

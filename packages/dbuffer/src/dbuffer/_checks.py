@@ -1,0 +1,109 @@
+"""Input checks of DBuffer's public boundary: each error names the value and what is valid."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from shard_planner import Layout, TensorSpec
+
+BlockRows = int | Mapping[str, int] | Callable[[str, torch.Size], int]
+
+
+def rows_of(block_rows: BlockRows, name: str, shape: torch.Size) -> int:
+    if isinstance(block_rows, int):
+        return block_rows
+    if isinstance(block_rows, Mapping):
+        return block_rows.get(name, 1)
+    if callable(block_rows):
+        return block_rows(name, shape)
+    raise TypeError(
+        f"block_rows must be an int, a mapping of name to int, or a function of (name, shape); "
+        f"got {type(block_rows).__name__}"
+    )
+
+
+def check_block_rows(block_rows: BlockRows, names: set[str]) -> None:
+    if isinstance(block_rows, Mapping):
+        unknown = sorted(set(block_rows) - names)
+        if unknown:
+            raise ValueError(f"block_rows names tensors that are not in the DBuffer: {unknown}")
+
+
+def check_dtype(what: str, dtype: object) -> torch.dtype | None:
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{what} must be a torch.dtype or None, got {dtype!r}")
+    return dtype
+
+
+def check_axis(what: str, axis: object, mesh: DeviceMesh) -> int:
+    if isinstance(axis, bool) or not isinstance(axis, int) or not 0 <= axis < mesh.ndim:
+        raise ValueError(f"{what} must be a mesh axis in [0, {mesh.ndim}), got {axis!r}")
+    return axis
+
+
+def check_tensors(tensors: Sequence[tuple[str, object]]) -> None:
+    if not tensors:
+        raise ValueError("DBuffer needs at least one (name, tensor) pair")
+    seen: set[str] = set()
+    first: torch.Tensor | None = None
+    for name, t in tensors:
+        if not isinstance(t, torch.Tensor) or isinstance(t, DTensor):
+            raise TypeError(
+                f"DBuffer tensor {name!r} must be a plain torch.Tensor, got {type(t).__name__}"
+            )
+        if name in seen:
+            raise ValueError(f"DBuffer tensor names must be unique, {name!r} repeats")
+        seen.add(name)
+        first = first if first is not None else t
+        if not t.is_contiguous():
+            raise ValueError(
+                f"DBuffer tensor {name!r} must be contiguous (shape {tuple(t.shape)}, "
+                f"stride {t.stride()})"
+            )
+        if t.dtype != first.dtype:
+            raise ValueError(
+                f"DBuffer tensors must share one dtype: {name!r} is {t.dtype}, "
+                f"{tensors[0][0]!r} is {first.dtype}; make one DBuffer per dtype"
+            )
+        if t.device != first.device:
+            raise ValueError(
+                f"DBuffer tensors must share one device: {name!r} is on {t.device}, "
+                f"{tensors[0][0]!r} on {first.device}"
+            )
+
+
+def check_layout(layout: Layout, specs: list[TensorSpec], world: int) -> None:
+    if layout.world_size != world:
+        raise ValueError(
+            f"layout is for world size {layout.world_size}, the shard axis has {world}"
+        )
+    planned = {s.name: s.numel for s in layout.tensors}
+    given = {s.name: s.numel for s in specs}
+    if planned != given:
+        missing = sorted(set(given) - set(planned))
+        extra = sorted(set(planned) - set(given))
+        wrong = sorted(n for n in set(given) & set(planned) if given[n] != planned[n])
+        raise ValueError(
+            f"layout does not match the tensors: missing {missing}, unexpected {extra}, "
+            f"different sizes {wrong}"
+        )
+    layout.validate()
+
+
+def check_align_bytes(align_bytes: object, itemsize: int) -> int:
+    """`align_bytes` in elements of `itemsize` bytes."""
+    if (
+        isinstance(align_bytes, bool)
+        or not isinstance(align_bytes, int)
+        or align_bytes < 1
+        or align_bytes % itemsize
+    ):
+        raise ValueError(
+            f"align_bytes must be a positive multiple of the itemsize {itemsize}, "
+            f"got {align_bytes!r}"
+        )
+    return align_bytes // itemsize

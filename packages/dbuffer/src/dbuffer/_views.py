@@ -1,0 +1,120 @@
+"""Views of a DBuffer's freeable buffers that refuse to be read while the memory is freed.
+
+`reshard()` frees the global buffer by resizing its storage to zero bytes, and
+`reduce_scatter()` does the same to the global gradient buffer; the views handed out by
+`full()` / `full_grad()` stay the same objects and see the memory again once it is
+re-allocated. Reading such a view while the storage is freed would dereference a null pointer
+in most kernels (a segfault on CPU, an illegal access on CUDA), so the views are a thin
+subclass whose `__torch_function__` checks the storage first and raises a clear error.
+
+Metadata (shape, dtype, strides, properties, hooks) stays readable while freed. Ops run on
+plain tensors and return plain tensors, so the check costs one Python call per op that takes a
+view directly and nothing downstream; outputs that alias the buffer (`t()`, `view`, slicing,
+`detach`, hence `nn.Parameter(view)`) are wrapped again, so they are guarded too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from dbuffer._compat import plain_tensor_ops
+
+# Tensor methods that read no element: allowed on a freed view.
+_METADATA: frozenset[Callable[..., Any]] = frozenset(
+    {
+        torch.Tensor.size,
+        torch.Tensor.dim,
+        torch.Tensor.numel,
+        torch.Tensor.nelement,
+        torch.Tensor.stride,
+        torch.Tensor.storage_offset,
+        torch.Tensor.untyped_storage,
+        torch.Tensor.data_ptr,
+        torch.Tensor.element_size,
+        torch.Tensor.is_contiguous,
+        torch.Tensor.is_floating_point,
+        torch.Tensor.is_complex,
+        torch.Tensor.get_device,
+        torch.Tensor.requires_grad_,
+        torch.Tensor.register_hook,
+        torch.Tensor.register_post_accumulate_grad_hook,
+        torch.Tensor._is_view,
+        torch.Tensor.__len__,
+    }
+)
+
+
+class BufferView(torch.Tensor):
+    """A view of a DBuffer buffer (see the module docstring); `what` names it in errors."""
+
+    what: str
+
+    @classmethod
+    def __torch_function__(
+        cls,
+        func: Callable[..., Any],
+        types: Iterable[type],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        with plain_tensor_ops():
+            views = [a for a in _tensor_args(args, kwargs) if isinstance(a, BufferView)]
+            # Property getters and setters (`.shape`, `.grad`, ...) only touch metadata.
+            if func not in _METADATA and getattr(func, "__name__", "") not in (
+                "__get__",
+                "__set__",
+            ):
+                for view in views:
+                    if view.numel() and view.untyped_storage().nbytes() == 0:
+                        raise RuntimeError(
+                            f"{view.what} is freed; {func_name(func)} cannot read it. "
+                            f"{_hint(view.what)}"
+                        )
+            out = func(*args, **kwargs)
+            return _rewrap(out, views)
+
+
+def guard(tensor: torch.Tensor, what: str) -> BufferView:
+    """`tensor` (a view of a freeable buffer) as a BufferView described as `what`."""
+    view = tensor.as_subclass(BufferView)
+    view.what = what
+    return view
+
+
+def func_name(func: Callable[..., Any]) -> str:
+    """A readable name of a torch function or Tensor method, for error messages."""
+    name = str(getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func)))
+    return name.replace("_TensorBase.", "Tensor.").replace("TensorBase.", "Tensor.")
+
+
+def _hint(what: str) -> str:
+    if what.startswith("full gradient"):
+        return "reduce_scatter() released it; call full_grad(name) for a zeroed one."
+    return "The DBuffer is resharded: call unshard() and wait() before reading it."
+
+
+def _tensor_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    for arg in (*args, *kwargs.values()):
+        if isinstance(arg, torch.Tensor):
+            found.append(arg)
+        elif isinstance(arg, list | tuple):  # foreach ops, cat, stack
+            found.extend(a for a in arg if isinstance(a, torch.Tensor))
+    return found
+
+
+def _rewrap(out: Any, views: list[BufferView]) -> Any:
+    """Re-guards outputs that alias one of `views`' storage; other outputs stay plain."""
+    if type(out) in (list, tuple):  # split, unbind, chunk
+        return type(out)([_rewrap(o, views) for o in out])
+    if not isinstance(out, torch.Tensor) or isinstance(out, BufferView) or not views:
+        return out
+    ptr = out.untyped_storage().data_ptr()
+    for view in views:
+        if ptr and view.untyped_storage().data_ptr() == ptr:
+            return guard(out, view.what)
+    return out

@@ -1,0 +1,106 @@
+"""DBuffer on CUDA: stream-ordered frees (no record_stream), memory accounting, NCCL numerics.
+
+Run by `nox -s gpu`; every test skips without CUDA. The single-GPU tests use a one-rank NCCL
+group (collectives are skipped at one rank, the streams and the allocator are not); the NCCL
+numerics need two GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+
+import gpu_cases
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from dbuffer import DBuffer
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+SLEEP_CYCLES = 200_000_000  # ~0.1 s of GPU time: long enough to lose any unordered race
+
+
+@pytest.fixture(scope="module")
+def mesh() -> Iterator[DeviceMesh]:
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("nccl", init_method=f"file://{tmp}/rdzv", rank=0, world_size=1)
+        yield init_device_mesh("cuda", (1,))
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def no_record_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object) -> None:
+        raise AssertionError("DBuffer must not call record_stream")
+
+    monkeypatch.setattr(torch.Tensor, "record_stream", refuse)
+
+
+def test_reshard_frees_exactly_the_global_buffer(mesh: DeviceMesh, no_record_stream: None) -> None:
+    tensors = [("w", torch.randn(1000, 256, device="cuda")), ("b", torch.randn(256, device="cuda"))]
+    buf = DBuffer(tensors, mesh)
+    buf.unshard().wait()
+    view = buf.full("w")
+    torch.cuda.synchronize()
+    unsharded = torch.cuda.memory_allocated()
+    buf.reshard()
+    nbytes = buf.layout.buffer_numel * 4
+    assert unsharded - torch.cuda.memory_allocated() >= nbytes
+    with pytest.raises(RuntimeError, match="unsharded tensor 'w' is freed"):
+        view.sum()
+    buf.unshard().wait()
+    assert torch.cuda.memory_allocated() == unsharded  # one allocation back, same size
+    assert torch.equal(view, tensors[0][1])
+
+
+def test_free_waits_for_the_reading_stream(mesh: DeviceMesh, no_record_stream: None) -> None:
+    # Unshard on a side stream (its pool owns the buffer), read on the default stream
+    # behind a long sleep, reshard, then let the side stream take the same block and
+    # overwrite it. Only the explicit wait in reshard() keeps the read ahead of the write.
+    numel = 1 << 24
+    buf = DBuffer([("w", torch.ones(numel, device="cuda"))], mesh)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        handle = buf.unshard()
+    handle.wait()  # the default stream waits for the side stream's unshard
+    ptr = buf.full("w").data_ptr()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    out = buf.full("w") * 2
+    buf.reshard()
+    with torch.cuda.stream(side):
+        reuse = torch.empty(numel, device="cuda")
+        reuse.fill_(-1.0)
+    torch.cuda.synchronize()
+    assert reuse.data_ptr() == ptr, "the allocator did not reuse the block: race not armed"
+    assert torch.equal(out, torch.full_like(out, 2.0))
+
+
+def test_async_reduce_in_fp32_on_a_side_stream(mesh: DeviceMesh, no_record_stream: None) -> None:
+    tensors = [("w", torch.randn(300, 64, device="cuda").bfloat16())]
+    buf = DBuffer(tensors, mesh)
+    buf.full_grad("w").fill_(0.5)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        handle = buf.reduce_scatter(op="sum", reduce_dtype=torch.float32, async_op=True)
+    handle.wait()
+    got = buf.sharded_grad("w").to_local().float()
+    torch.cuda.synchronize()
+    assert torch.equal(got, torch.full_like(got, 0.5))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL numerics need 2 GPUs")
+def test_nccl_unshard_and_reduce_scatter_match_the_reference() -> None:
+    world = min(torch.cuda.device_count(), 4)
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(gpu_cases.nccl_rank, args=(world, os.path.join(tmp, "rdzv")), nprocs=world)
