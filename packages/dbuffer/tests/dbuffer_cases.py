@@ -111,6 +111,61 @@ def check_hsdp() -> None:
         torch.testing.assert_close(buf.sharded_grad(name).full_tensor(), torch.full(t.shape, 2.5))
 
 
+def check_gradient_accumulation() -> None:
+    """accumulate_grad copies then adds; unwritten tensors and padding reduce as zero."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,))
+    tensors = dict(_tensors(world, "fp32", seed=8))
+    buf = DBuffer(list(tensors.items()), mesh, block_rows=4, align_bytes=64)  # some padding
+    covered = torch.zeros(buf.shard_size, dtype=torch.bool)
+    for name in buf.names:
+        lo, hi = buf.layout.local_range(name, buf._rank)
+        covered[lo:hi] = True
+
+    def grads(step: int) -> dict[str, torch.Tensor]:
+        gen = torch.Generator().manual_seed(100 * step + rank)
+        return {n: torch.randn(t.shape, generator=gen) for n, t in tensors.items()}
+
+    def reference(steps: list[int], names: set[str]) -> dict[str, torch.Tensor]:
+        total = {n: torch.zeros(t.shape) for n, t in tensors.items()}
+        for r in range(world):
+            for step in steps:
+                gen = torch.Generator().manual_seed(100 * step + r)
+                for n, t in tensors.items():
+                    g = torch.randn(t.shape, generator=gen)
+                    if n in names:
+                        total[n] += g
+        return total
+
+    everything = set(tensors)
+    for step_grads in (grads(1), grads(2)):  # two micro-batches: copy, then add
+        for name, g in step_grads.items():
+            buf.accumulate_grad(name, g)
+    buf.reduce_scatter(op="sum").wait()
+    for name, expected in reference([1, 2], everything).items():
+        torch.testing.assert_close(buf.sharded_grad(name).full_tensor(), expected)
+    # Next step: only some tensors get a gradient (and one by hand); the freed buffer comes
+    # back uninitialized, so the rest and the padding must be zeroed before the reduce.
+    written = {"w1", "s"}
+    step3 = grads(3)
+    buf.accumulate_grad("w1", step3["w1"])
+    buf.full_grad("s").add_(step3["s"])
+    buf.reduce_scatter(op="sum").wait()
+    for name, expected in reference([3], written).items():
+        torch.testing.assert_close(buf.sharded_grad(name).full_tensor(), expected)
+    assert not buf.local_grad[~covered].any(), "padding must reduce to zero"
+    # zero_grad() forgets what was written.
+    buf.accumulate_grad("w1", step3["w1"])
+    buf.zero_grad()
+    buf.accumulate_grad("b1", step3["b1"])
+    buf.reduce_scatter(op="sum").wait()
+    for name, expected in reference([3], {"b1"}).items():
+        torch.testing.assert_close(buf.sharded_grad(name).full_tensor(), expected)
+    expect_error(ValueError, lambda: buf.accumulate_grad("w1", torch.ones(3)), "shape (17, 8)")
+    expect_error(ValueError, lambda: buf.accumulate_grad("w1", [1.0]), "got list")  # type: ignore[arg-type]
+    expect_error(KeyError, lambda: buf.accumulate_grad("nope", torch.ones(1)), "'nope'")
+
+
 def check_freed_views_raise() -> None:
     """Views of freed buffers raise a clear error when read and work again once re-allocated."""
     world = dist.get_world_size()

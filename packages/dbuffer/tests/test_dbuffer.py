@@ -26,6 +26,11 @@ def test_reduce_scatter(pools, world) -> None:
             pools[world].run(cases.check_reduce_scatter, op, dtype)
 
 
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_gradient_accumulation_and_lazy_zeroing(pools, world) -> None:
+    pools[world].run(cases.check_gradient_accumulation)
+
+
 @pytest.mark.parametrize("world", [1, 3])
 def test_freed_views_raise_and_come_back(pools, world) -> None:
     pools[world].run(cases.check_freed_views_raise)

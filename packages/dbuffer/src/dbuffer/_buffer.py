@@ -9,10 +9,11 @@ Memory model (see DESIGN.md, "DBuffer"):
   (resize to 0) and the next `unshard()` re-allocates it, so no per-tensor allocation and no
   copy-in / copy-out ever happens. With `dtype=` (mixed precision) the local shard is cast
   once into a send buffer; that cast is the only elementwise pass.
-- Gradients: `full_grad(name)` are views of one global grad buffer the caller accumulates
-  into; `reduce_scatter()` reduces it straight into `local_grad`, whose views are the sharded
-  gradients, then frees it (the next `full_grad()` re-allocates it, zeroed);
-  `all_reduce()` then averages them over the replicate axis (HSDP).
+- Gradients: one global grad buffer holds every full gradient at its offset
+  (`accumulate_grad(name, grad)`, or accumulate by hand into the view `full_grad(name)`);
+  `reduce_scatter()` reduces it straight into `local_grad`, whose views are the sharded
+  gradients, then frees it (`_grad_buffer.py`); `all_reduce()` then averages them over the
+  replicate axis (HSDP).
 - Freed memory: views of a freed buffer raise a clear error when read (`_views.py`); on CUDA
   frees are ordered with explicit stream waits, not `record_stream` (`_streams.py`), and a
   collective's Handle makes the reading stream wait for it.
@@ -41,9 +42,10 @@ from dbuffer._checks import (
     check_tensors,
     rows_of,
 )
+from dbuffer._grad_buffer import FullGradBuffer
 from dbuffer._handle import Handle
 from dbuffer._streams import Stream, current_stream, free_storage, record_event
-from dbuffer._views import guard
+from dbuffer._views import buffer_views
 from ragged_placement import RaggedShard
 from shard_planner import Layout, TensorSpec, plan_layout
 
@@ -123,9 +125,7 @@ class DBuffer:
         self._alloc_streams: dict[torch.dtype, Stream | None] = {}
         self._pending_unshards: list[Handle] = []
         self._unsharded: set[torch.dtype] = set()
-        self._grad: torch.Tensor | None = None
-        self._grad_views: dict[str, torch.Tensor] = {}
-        self._grad_stream: Stream | None = None
+        self._grad = FullGradBuffer(self.layout, self._shapes, self.dtype, self.device)
         self._pending_reduce: Handle | None = None
         self.local_grad = torch.zeros_like(self.local)
         self._sharded_grads = {
@@ -181,21 +181,15 @@ class DBuffer:
 
     # -- unshard / reshard --------------------------------------------------------------------
 
-    def _views_of(self, buffer: torch.Tensor, what: str) -> dict[str, torch.Tensor]:
-        return {
-            name: guard(
-                buffer[off : off + self.layout.spec(name).numel].view(self._shapes[name]),
-                f"{what} {name!r}",
-            )
-            for name, off in self.layout.offsets.items()
-        }
-
     def _global_buffer(self, dtype: torch.dtype) -> torch.Tensor:
         buffer = self._global.get(dtype)
         if buffer is None:
             buffer = torch.empty(self.layout.buffer_numel, dtype=dtype, device=self.device)
             self._global[dtype] = buffer
-            self._full_views[dtype] = self._views_of(buffer, "unsharded tensor")
+            offsets = dict(self.layout.offsets)
+            self._full_views[dtype] = buffer_views(
+                buffer, offsets, self._shapes, "unsharded tensor"
+            )
             self._alloc_streams[dtype] = current_stream(self.device)
         elif _is_freed(buffer):
             buffer.untyped_storage().resize_(buffer.numel() * dtype.itemsize)  # views see it
@@ -274,28 +268,46 @@ class DBuffer:
     # -- gradients ----------------------------------------------------------------------------
 
     def full_grad(self, name: str) -> torch.Tensor:
-        """View of the global gradient buffer for `name`; accumulate the full gradient here.
+        """View of the global gradient buffer for `name`, to accumulate the full gradient into.
 
-        The buffer is allocated zeroed on first use and again after each `reduce_scatter()`
-        released it; the views keep their identity. A reduce-scatter still in flight is
-        waited for first, since it reads this buffer.
+        The buffer is allocated on first use in a step and freed by `reduce_scatter()`; the
+        view keeps its identity. Its range is zeroed on first use (`accumulate_grad` avoids
+        that pass). A reduce-scatter still in flight is waited for first: it reads the buffer.
+
+        Example:
+            >>> buf.full_grad("w").add_(grad_w)  # doctest: +SKIP
         """
         self._check_name(name)
+        self._wait_reduce()
+        return self._grad.view(name)
+
+    def accumulate_grad(self, name: str, grad: torch.Tensor) -> None:
+        """Adds `grad` (the full gradient of `name`) into the global gradient buffer.
+
+        The first gradient of a step is copied in, later ones (gradient accumulation) are
+        added; so the buffer is never zeroed as a whole.
+
+        Example:
+            >>> buf.accumulate_grad("w", grad_w)  # doctest: +SKIP
+        """
+        self._check_name(name)
+        value: object = grad  # callers may pass anything; check before use
+        if not isinstance(value, torch.Tensor) or value.shape != self._shapes[name]:
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(
+                f"accumulate_grad({name!r}): expected a tensor of shape "
+                f"{tuple(self._shapes[name])}, got {got}"
+            )
+        if grad.device != self.device:
+            raise ValueError(
+                f"accumulate_grad({name!r}): gradient on {grad.device}, buffer on {self.device}"
+            )
+        self._wait_reduce()
+        self._grad.accumulate(name, grad)
+
+    def _wait_reduce(self) -> None:
         if self._pending_reduce is not None:
             self._pending_reduce.wait()
-        if self._grad is None:
-            self._grad = torch.zeros(self.layout.buffer_numel, dtype=self.dtype, device=self.device)
-            self._grad_views = self._views_of(self._grad, "full gradient")
-            self._grad_stream = current_stream(self.device)
-        elif _is_freed(self._grad):
-            self._grad.untyped_storage().resize_(self._grad.numel() * self.dtype.itemsize)
-            self._grad.zero_()
-            self._grad_stream = current_stream(self.device)
-        return self._grad_views[name]
-
-    def _release_grad(self) -> None:
-        if self._grad is not None and not _is_freed(self._grad):
-            free_storage(self._grad, self._grad_stream)
 
     def reduce_scatter(
         self,
@@ -319,17 +331,14 @@ class DBuffer:
             which also frees the global gradient buffer.
 
         Example:
-            >>> buf.full_grad("w").add_(grad_w)  # doctest: +SKIP
+            >>> buf.accumulate_grad("w", grad_w)  # doctest: +SKIP
             >>> buf.reduce_scatter(op="avg").wait()  # doctest: +SKIP
         """
         if op not in _OPS:
             raise ValueError(f"op must be one of {sorted(_OPS)}, got {op!r}")
         reduce_dtype = check_dtype("reduce_dtype", reduce_dtype)
-        if self._pending_reduce is not None:
-            self._pending_reduce.wait()
-        if self._grad is None or _is_freed(self._grad):
-            raise RuntimeError("no gradient to reduce: write into full_grad(name) first")
-        grad = self._grad
+        self._wait_reduce()
+        grad = self._grad.for_reduce()
         if divide_factor is not None:
             factor: object = divide_factor  # callers may pass anything; check before use
             if isinstance(factor, bool) or not isinstance(factor, int | float) or factor <= 0:
@@ -362,7 +371,7 @@ class DBuffer:
                 # The temporaries were allocated on the issuing stream; order their reuse.
                 for temp in (send, out):
                     free_storage(temp, alloc_stream)
-            self._release_grad()
+            self._grad.free()
             self._pending_reduce = None
 
         handle = Handle(works, device=self.device, event=record_event(self.device), then=finish)
@@ -380,8 +389,7 @@ class DBuffer:
         """
         if op not in _OPS:
             raise ValueError(f"op must be one of {sorted(_OPS)}, got {op!r}")
-        if self._pending_reduce is not None:
-            self._pending_reduce.wait()
+        self._wait_reduce()
         if self.replicate_dim is None or self.mesh.size(self.replicate_dim) == 1:
             return Handle()
         group = self.mesh.get_group(self.replicate_dim)
@@ -392,12 +400,10 @@ class DBuffer:
     # -- group ops ----------------------------------------------------------------------------
 
     def zero_grad(self) -> None:
-        """Zeroes the local and (if allocated) global gradient buffers, one kernel each."""
-        if self._pending_reduce is not None:
-            self._pending_reduce.wait()
+        """Zeroes the local gradient (one kernel) and the global one (lazily, no kernel)."""
+        self._wait_reduce()
         self.local_grad.zero_()
-        if self._grad is not None and not _is_freed(self._grad):
-            self._grad.zero_()
+        self._grad.zero()
 
     def scale_grad_(self, factor: float) -> None:
         """Multiplies the local gradient shard by `factor` in one kernel."""

@@ -118,3 +118,24 @@ def _rewrap(out: Any, views: list[BufferView]) -> Any:
         if ptr and view.untyped_storage().data_ptr() == ptr:
             return guard(out, view.what)
     return out
+
+
+def buffer_views(
+    buffer: torch.Tensor, offsets: dict[str, int], shapes: dict[str, torch.Size], what: str
+) -> dict[str, torch.Tensor]:
+    """Guarded views of `buffer`: tensor `name` of shape `shapes[name]` at `offsets[name]`.
+
+    Args:
+        buffer: A flat buffer holding every tensor at its planned offset.
+        offsets: Global start of each tensor.
+        shapes: Shape of each tensor.
+        what: How errors name the views ("unsharded tensor", "full gradient").
+
+    Returns:
+        The views by name, each a BufferView described as f"{what} {name!r}".
+    """
+    views: dict[str, torch.Tensor] = {}
+    for name, off in offsets.items():
+        numel = shapes[name].numel()
+        views[name] = guard(buffer[off : off + numel].view(shapes[name]), f"{what} {name!r}")
+    return views
