@@ -166,6 +166,43 @@ def check_gradient_accumulation() -> None:
     expect_error(KeyError, lambda: buf.accumulate_grad("nope", torch.ones(1)), "'nope'")
 
 
+class _FakeStream:
+    """Records the waits DBuffer issues; stands in for CUDA streams on CPU."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.waited_for: list[str] = []
+
+    def wait_stream(self, other: _FakeStream) -> None:
+        self.waited_for.append(other.name)
+
+
+def check_frees_wait_for_the_current_stream() -> None:
+    """Before freeing memory allocated on another stream, that stream waits for this one."""
+    from dbuffer import _buffer, _grad_buffer, _streams
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    buf = DBuffer(_tensors(dist.get_world_size(), "fp32", seed=9), mesh)
+    side, main = _FakeStream("side"), _FakeStream("main")
+    current = [side]
+    fake = lambda device: current[0]  # noqa: E731
+    originals = (_buffer.current_stream, _grad_buffer.current_stream, _streams.current_stream)
+    _buffer.current_stream = _grad_buffer.current_stream = _streams.current_stream = fake
+    try:
+        buf.unshard().wait()  # allocated on "side"
+        buf.accumulate_grad("w1", torch.ones(17, 8))  # grad buffer allocated on "side"
+        current[0] = main
+        buf.reshard()  # freed from "main": "side" must wait for "main" first
+        assert side.waited_for == ["main"], side.waited_for
+        buf.reduce_scatter().wait()
+        assert side.waited_for == ["main", "main"], side.waited_for
+        buf.unshard().wait()  # re-allocated on "main" now
+        buf.reshard()  # same stream: no wait needed
+        assert main.waited_for == [] and side.waited_for == ["main", "main"]
+    finally:
+        _buffer.current_stream, _grad_buffer.current_stream, _streams.current_stream = originals
+
+
 def check_freed_views_raise() -> None:
     """Views of freed buffers raise a clear error when read and work again once re-allocated."""
     world = dist.get_world_size()

@@ -41,6 +41,11 @@ def test_async_handles_and_pending_work(pools, world) -> None:
     pools[world].run(cases.check_async_handles)
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_frees_wait_for_the_current_stream(pools, world) -> None:
+    pools[world].run(cases.check_frees_wait_for_the_current_stream)
+
+
 def test_hsdp_2x2(pools) -> None:
     pools[4].run(cases.check_hsdp)
 
