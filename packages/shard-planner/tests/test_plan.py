@@ -29,7 +29,7 @@ def instances(draw: st.DrawFn) -> tuple[list[TensorSpec], int, int]:
 
 
 @settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(instances(), st.sampled_from(["auto", "given", "block", "size"]))
+@given(instances(), st.sampled_from(["auto", "given", "block", "size", "fit"]))
 def test_every_plan_meets_all_constraints(instance, order) -> None:
     specs, world, align = instance
     layout = plan_layout(specs, world, align=align, order=order)
@@ -173,7 +173,7 @@ def test_auto_is_never_worse_than_any_single_order() -> None:
         ]
         world, align = rng.randint(1, 64), rng.choice([1, 4, 16])
         auto = plan_layout(specs, world, align=align).shard_size
-        for order in ("given", "block", "size"):
+        for order in ("given", "block", "size", "fit"):
             assert auto <= plan_layout(specs, world, align=align, order=order).shard_size
 
 

@@ -25,12 +25,26 @@ the lower bound, gallop upward until feasible, then bisect down to the smallest 
 multiple, never past the best S already found. We start from a layout that is always feasible
 (S a multiple of every block: each tensor then wastes < g_t) and stop as soon as S meets the
 lower bound. This is repeated for each candidate order: model order ("given"), by block size
-("block", largest first), by size ("size", largest first); "auto" keeps the best, preferring
-the model order on ties.
+("block", largest first), by size ("size", largest first), and a dynamic order ("fit");
+"auto" keeps the best, preferring the earlier order on ties, and stops at the lower bound.
 
-Complexity: O(|orders| * |grids| * log(S_max / grid) * n) integer operations, with
-|grids| <= n + 1 and usually a handful, n the number of tensors. Planning 1,000 tensors at
-m = 10240 takes well under 0.3 s in CPython (see benchmarks/bench_planner.py).
+The dynamic order (`_place_fit`). Fixed orders waste most when many equal tensors each longer
+than a shard have blocks that do not divide S (MoE experts): such a tensor may hold only one
+boundary, so whenever the cursor sits late in a shard it must jump to the next one. "fit"
+decides the order while placing: tensors with the same (numel, block) are interchangeable, so
+at each step it looks at one tensor of every such type and places the one that wastes nothing
+beyond block alignment, preferring types whose block does not divide S (they are the hard
+ones; the others fit anywhere and are kept to fill the awkward cursor positions), then the
+largest; if every type wastes more, the one that wastes least. Within a type the model order
+is kept. On DeepSeek-V3's MoE layers at m = 1024 this reaches the lower bound (0.16% padding)
+where the fixed orders need 1.04%. It costs O(n * types) per feasibility check, so "auto"
+skips it for groups with more than `MAX_FIT_TYPES` distinct types and when the fixed orders
+are already within `FIT_MIN_GAIN` (0.1% of the group) of the lower bound's padding.
+
+Complexity: O(|orders| * |grids| * log(S_max / grid) * n) integer operations for the fixed
+orders (times the number of types, <= MAX_FIT_TYPES, for "fit"), with |grids| <= n + 1 and
+usually a handful, n the number of tensors. Planning 1,000 tensors at m = 10240 takes well
+under 0.3 s in CPython (see benchmarks/bench_planner.py).
 """
 
 from __future__ import annotations
@@ -43,8 +57,37 @@ from shard_planner._bounds import ceil_to, lower_bound, search_grids
 from shard_planner._layout import Layout
 from shard_planner._spec import TensorSpec, check_count
 
-Order = Literal["given", "block", "size", "auto"]
-ORDERS: tuple[Order, ...] = ("given", "block", "size", "auto")
+Order = Literal["given", "block", "size", "fit", "auto"]
+ORDERS: tuple[Order, ...] = ("given", "block", "size", "fit", "auto")
+MAX_FIT_TYPES = 64  # "fit" looks at every type at every step: O(n * types) per check
+# In "auto", "fit" runs only when the fixed orders leave more padding than this fraction of
+# the group above the lower bound's: it costs several times their planning time.
+FIT_MIN_GAIN = 0.001
+
+Placement = tuple[list[int], list[int]]  # (tensor indices in buffer order, their starts)
+
+
+def _earliest_start(cursor: int, e: int, g: int, size: int) -> int | None:
+    """Earliest valid start at or after `cursor` of a tensor of e elements in blocks of g.
+
+    None when no start in this shard or the next one is valid (then none is: later shards
+    are translates of these two).
+    """
+    if g == 1:
+        return cursor
+    boundary = (cursor // size + 1) * size
+    if cursor + e <= boundary:
+        return cursor
+    start = cursor + (boundary - cursor) % g
+    rem = size % g
+    if rem:
+        if e >= 2 * size:
+            return None
+        if start + e > boundary + size:
+            start = boundary + rem
+            if start + e > boundary + 2 * size:
+                return None
+    return start
 
 
 def _place(
@@ -57,19 +100,9 @@ def _place(
     starts = []
     cursor = 0
     for e, g in zip(sizes, atoms, strict=True):
-        start = cursor
-        if g > 1:
-            boundary = (cursor // size + 1) * size
-            if cursor + e > boundary:
-                start = cursor + (boundary - cursor) % g
-                rem = size % g
-                if rem:
-                    if e >= 2 * size:
-                        return None
-                    if start + e > boundary + size:
-                        start = boundary + rem
-                        if start + e > boundary + 2 * size:
-                            return None
+        start = _earliest_start(cursor, e, g, size)
+        if start is None:
+            return None
         cursor = start + e
         if cursor > capacity:
             return None
@@ -77,16 +110,80 @@ def _place(
     return starts
 
 
-class _Search:
-    """Finds the smallest feasible S for one tensor order, bounded by the best S so far."""
+def _types(specs: Sequence[TensorSpec]) -> dict[tuple[int, int], list[int]]:
+    """Tensor indices by (numel, atom), each list in model order."""
+    types: dict[tuple[int, int], list[int]] = {}
+    for i, spec in enumerate(specs):
+        types.setdefault((spec.numel, spec.atom), []).append(i)
+    return types
 
-    def __init__(self, sizes: list[int], atoms: list[int], world_size: int) -> None:
-        self.sizes, self.atoms, self.world_size = sizes, atoms, world_size
+
+def _place_fit(
+    types: dict[tuple[int, int], list[int]], size: int, capacity: int
+) -> Placement | None:
+    """The dynamic order "fit" (see the module docstring) with shard size `size`."""
+    queues = {key: list(reversed(indices)) for key, indices in types.items()}
+    # A type whose block divides S never wastes a whole block, so among those the largest
+    # always ranks first: only the "rigid" types need their start computed at each step.
+    rigid = [key for key in queues if size % key[1]]
+    flexible = sorted((key for key in queues if not size % key[1]), key=lambda k: -k[0])
+    order: list[int] = []
+    starts: list[int] = []
+    cursor = 0
+    while rigid or flexible:
+        best: tuple[int, int, int, tuple[int, int]] | None = None  # (waste, -e, start, key)
+        for key in rigid:
+            e, g = key
+            start = _earliest_start(cursor, e, g, size)
+            if start is None:
+                return None
+            waste = start - cursor
+            candidate = (waste if waste >= g else 0, -e, start, key)
+            if best is None or candidate < best:
+                best = candidate
+        if flexible and (best is None or best[0] > 0):
+            key = flexible[0]
+            start = _earliest_start(cursor, key[0], key[1], size)
+            assert start is not None  # a block that divides S always fits
+            best = (0, -key[0], start, key)
+        assert best is not None
+        key, start = best[3], best[2]
+        cursor = start + key[0]
+        if cursor > capacity:
+            return None
+        queue = queues[key]
+        order.append(queue.pop())
+        starts.append(start)
+        if not queue:
+            (rigid if size % key[1] else flexible).remove(key)
+    return order, starts
+
+
+class _Search:
+    """Finds the smallest feasible S for one tensor order, bounded by the best S so far.
+
+    `order` is a fixed permutation of the tensors, or "fit" for the dynamic order.
+    """
+
+    def __init__(
+        self, specs: Sequence[TensorSpec], order: list[int] | Literal["fit"], world_size: int
+    ) -> None:
+        self.world_size = world_size
+        self.order = order
+        if order == "fit":
+            self.types = _types(specs)
+        else:
+            self.sizes = [specs[i].numel for i in order]
+            self.atoms = [specs[i].atom for i in order]
         self.num_checks = 0
 
-    def feasible(self, size: int) -> list[int] | None:
+    def feasible(self, size: int) -> Placement | None:
         self.num_checks += 1
-        return _place(self.sizes, self.atoms, size, self.world_size * size)
+        capacity = self.world_size * size
+        if self.order == "fit":
+            return _place_fit(self.types, size, capacity)
+        starts = _place(self.sizes, self.atoms, size, capacity)
+        return None if starts is None else (self.order, starts)
 
     def smallest_on_grid(self, grid: int, low: int, best: int) -> int | None:
         """Smallest feasible multiple of `grid` in [low, best), or None if none is found."""
@@ -140,7 +237,8 @@ def plan_layout(
         align: S is a multiple of this many elements, >= 1 (e.g. 16 bytes / itemsize so every
             rank's chunk is aligned for NCCL).
         order: Tensor order in the buffer: "given" (model order), "block" (largest block
-            first), "size" (largest first), or "auto" (the best of them; model order on ties).
+            first), "size" (largest first), "fit" (chosen while placing, see the module
+            docstring), or "auto" (the best of them; the earlier one on ties).
 
     Returns:
         A validated Layout whose S meets all three constraints of DESIGN.md.
@@ -175,38 +273,43 @@ def plan_layout(
     grids = search_grids(specs, align)
 
     best_size: int = safe
-    best_perm: list[int] | None = None
+    best_search: _Search | None = None
     searched: set[tuple[int, ...]] = set()
-    for name in ("given", "block", "size") if order == "auto" else (order,):
-        perm = _order(specs, name)
-        if tuple(perm) in searched:
-            continue
-        searched.add(tuple(perm))
-        search = _Search([specs[i].numel for i in perm], [specs[i].atom for i in perm], world_size)
+    for name in ("given", "block", "size", "fit") if order == "auto" else (order,):
+        if name == "fit":
+            above_floor = (best_size - bound) * world_size
+            if order == "auto" and (
+                len(_types(specs)) > MAX_FIT_TYPES or above_floor <= FIT_MIN_GAIN * total
+            ):
+                continue
+            search = _Search(specs, "fit", world_size)
+        else:
+            perm = _order(specs, name)
+            if tuple(perm) in searched:
+                continue
+            searched.add(tuple(perm))
+            search = _Search(specs, perm, world_size)
         # The first order may return `safe` itself; later ones must beat the best so far, so
         # ties keep the earlier order (the model order first).
-        limit = best_size + 1 if best_perm is None else best_size
+        limit = best_size + 1 if best_search is None else best_size
         for grid in grids:
             found = search.smallest_on_grid(grid, bound, limit)
             if found is not None:
-                best_size, best_perm, limit = found, perm, found
+                best_size, best_search, limit = found, search, found
                 if found == bound:
                     break
         if best_size == bound:
             break
 
-    # The last grid is lcm(align, every block), on which `safe` is feasible for any order.
-    assert best_perm is not None
-    placed = _place(
-        [specs[i].numel for i in best_perm],
-        [specs[i].atom for i in best_perm],
-        best_size,
-        world_size * best_size,
-    )
+    if best_search is None:
+        # Only "fit" on its own can fail everywhere below `safe`; `safe` is feasible in the
+        # model order.
+        best_search = _Search(specs, list(range(len(specs))), world_size)
+    placed = best_search.feasible(best_size)
     assert placed is not None, "the chosen shard size must be feasible for its order"
     starts = [0] * len(specs)
-    for position, i in enumerate(best_perm):
-        starts[i] = placed[position]
+    for i, start in zip(*placed, strict=True):
+        starts[i] = start
     layout = Layout(world_size, best_size, specs, tuple(starts), align)
     layout.validate()
     return layout
