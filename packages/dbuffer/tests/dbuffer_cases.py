@@ -179,15 +179,18 @@ class _FakeStream:
 
 def check_frees_wait_for_the_current_stream() -> None:
     """Before freeing memory allocated on another stream, that stream waits for this one."""
-    from dbuffer import _buffer, _grad_buffer, _streams
+    import sys
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     buf = DBuffer(_tensors(dist.get_world_size(), "fp32", seed=9), mesh)
     side, main = _FakeStream("side"), _FakeStream("main")
     current = [side]
-    fake = lambda device: current[0]  # noqa: E731
-    originals = (_buffer.current_stream, _grad_buffer.current_stream, _streams.current_stream)
-    _buffer.current_stream = _grad_buffer.current_stream = _streams.current_stream = fake
+    # Every dbuffer module that asks for the current stream gets the fake one.
+    modules = [m for n, m in sys.modules.items() if n.startswith("dbuffer.")]
+    patched = [m for m in modules if hasattr(m, "current_stream")]
+    originals = [m.current_stream for m in patched]  # type: ignore[attr-defined]
+    for module in patched:
+        module.current_stream = lambda device: current[0]  # type: ignore[attr-defined]
     try:
         buf.unshard().wait()  # allocated on "side"
         buf.accumulate_grad("w1", torch.ones(17, 8))  # grad buffer allocated on "side"
@@ -200,7 +203,8 @@ def check_frees_wait_for_the_current_stream() -> None:
         buf.reshard()  # same stream: no wait needed
         assert main.waited_for == [] and side.waited_for == ["main", "main"]
     finally:
-        _buffer.current_stream, _grad_buffer.current_stream, _streams.current_stream = originals
+        for module, original in zip(patched, originals, strict=True):
+            module.current_stream = original  # type: ignore[attr-defined]
 
 
 def check_freed_views_raise() -> None:
@@ -354,8 +358,8 @@ def check_zero_copy(mixed: bool) -> dict[str, int]:
     buf.unshard(dtype=dtype).wait()
     for name in buf.names:
         buf.full_grad(name).fill_(1.0)
+    global_storage = buf.full("w1", dtype=dtype).untyped_storage()  # the global buffer's
     buf.reshard()
-    global_storage = buf._global[dtype or torch.float32].untyped_storage()
     before = global_storage.size()
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         with record_function("unshard"):
@@ -365,15 +369,16 @@ def check_zero_copy(mixed: bool) -> dict[str, int]:
     unshard, reduce = _ours(prof, "unshard"), _ours(prof, "reduce_scatter")
     copies = [f"{e.name}{e.input_shapes}" for e in unshard + reduce if e.name in _COPY_OPS]
     allocating_ops = [f"{e.name}{e.input_shapes}" for e in unshard if e.name in _ALLOC_OPS]
-    # Views point into the buffers.
-    storage = buf._global[dtype or torch.float32].untyped_storage().data_ptr()
+    # Views point into the buffers: one storage of exactly the global buffer's size.
+    storage = global_storage.data_ptr()
+    nbytes = buf.layout.buffer_numel * (dtype or torch.float32).itemsize
+    assert global_storage.nbytes() == nbytes
     assert all(buf.full(n, dtype=dtype).untyped_storage().data_ptr() == storage for n in buf.names)
     assert all(
         buf.sharded_grad(n).to_local().untyped_storage().data_ptr()
         == buf.local_grad.untyped_storage().data_ptr()
         for n in buf.names
     )
-    nbytes = buf.layout.buffer_numel * (dtype or torch.float32).itemsize
     return {
         "copies": copies,
         "allocating_ops": allocating_ops,

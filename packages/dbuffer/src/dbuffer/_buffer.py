@@ -42,10 +42,10 @@ from dbuffer._checks import (
     check_tensors,
     rows_of,
 )
+from dbuffer._freeable import FreeableBuffer
 from dbuffer._grad_buffer import FullGradBuffer
 from dbuffer._handle import Handle
-from dbuffer._streams import Stream, current_stream, free_storage, record_event
-from dbuffer._views import buffer_views
+from dbuffer._streams import current_stream, free_storage, record_event
 from ragged_placement import RaggedShard
 from shard_planner import Layout, TensorSpec, plan_layout
 
@@ -118,13 +118,9 @@ class DBuffer:
                 start = base + lo - self.layout.offsets[name]
                 self.local[lo:hi].copy_(t.reshape(-1)[start : start + hi - lo])
         self._sharded = {name: self._make_sharded(name, self.local) for name, _ in tensors}
-        # Global (unsharded) buffers by dtype, their views, the stream each was last
-        # allocated on, and the unshards still in flight into them.
-        self._global: dict[torch.dtype, torch.Tensor] = {}
-        self._full_views: dict[torch.dtype, dict[str, torch.Tensor]] = {}
-        self._alloc_streams: dict[torch.dtype, Stream | None] = {}
+        # Global (unsharded) buffers by dtype, and the unshards still in flight into them.
+        self._global: dict[torch.dtype, FreeableBuffer] = {}
         self._pending_unshards: list[Handle] = []
-        self._unsharded: set[torch.dtype] = set()
         self._grad = FullGradBuffer(self.layout, self._shapes, self.dtype, self.device)
         self._pending_reduce: Handle | None = None
         self.local_grad = torch.zeros_like(self.local)
@@ -182,19 +178,15 @@ class DBuffer:
     # -- unshard / reshard --------------------------------------------------------------------
 
     def _global_buffer(self, dtype: torch.dtype) -> torch.Tensor:
-        buffer = self._global.get(dtype)
-        if buffer is None:
-            buffer = torch.empty(self.layout.buffer_numel, dtype=dtype, device=self.device)
-            self._global[dtype] = buffer
+        memory = self._global.get(dtype)
+        if memory is None:
             offsets = dict(self.layout.offsets)
-            self._full_views[dtype] = buffer_views(
-                buffer, offsets, self._shapes, "unsharded tensor"
+            numel = self.layout.buffer_numel
+            memory = FreeableBuffer(
+                numel, offsets, self._shapes, dtype, self.device, "unsharded tensor"
             )
-            self._alloc_streams[dtype] = current_stream(self.device)
-        elif _is_freed(buffer):
-            buffer.untyped_storage().resize_(buffer.numel() * dtype.itemsize)  # views see it
-            self._alloc_streams[dtype] = current_stream(self.device)
-        return buffer
+            self._global[dtype] = memory
+        return memory.allocate()
 
     def unshard(self, *, dtype: torch.dtype | None = None, async_op: bool = False) -> Handle:
         """All-gathers every rank's shard into the global buffer (of `dtype`, default ours).
@@ -214,7 +206,6 @@ class DBuffer:
         """
         dtype = check_dtype("unshard dtype", dtype) or self.dtype
         buffer = self._global_buffer(dtype)
-        self._unsharded.add(dtype)
         if dtype == self.dtype:
             send = self.local
         else:
@@ -246,10 +237,8 @@ class DBuffer:
         for handle in self._pending_unshards:
             handle.wait()
         self._pending_unshards = []
-        for dtype, buffer in self._global.items():
-            if not _is_freed(buffer):
-                free_storage(buffer, self._alloc_streams[dtype])
-        self._unsharded.clear()
+        for memory in self._global.values():
+            memory.free()
 
     def full(self, name: str, *, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The unsharded tensor: a view of the global buffer, the same object every time.
@@ -259,11 +248,12 @@ class DBuffer:
         """
         self._check_name(name)
         dtype = check_dtype("full dtype", dtype) or self.dtype
-        if dtype not in self._unsharded:
+        memory = self._global.get(dtype)
+        if memory is None or not memory.allocated:
             raise RuntimeError(
                 f"DBuffer is resharded ({dtype}); call unshard() before full({name!r})"
             )
-        return self._full_views[dtype][name]
+        return memory.views[name]
 
     # -- gradients ----------------------------------------------------------------------------
 
@@ -426,7 +416,3 @@ class DBuffer:
             lo, hi = self.layout.local_range(name, self._rank)
             start = base + lo - self.layout.offsets[name]
             self.local[lo:hi].copy_(value.reshape(-1)[start : start + hi - lo])
-
-
-def _is_freed(buffer: torch.Tensor) -> bool:
-    return buffer.numel() > 0 and buffer.untyped_storage().nbytes() == 0

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from dbuffer._streams import Stream, current_stream, free_storage
-from dbuffer._views import buffer_views
+from dbuffer._freeable import FreeableBuffer
 from shard_planner import Layout
 
 
 class FullGradBuffer:
-    """Allocation, lazy initialization and freeing of one DBuffer's global gradient buffer.
+    """Lazy initialization of one DBuffer's global gradient buffer (a FreeableBuffer).
 
     Args:
         layout: The DBuffer's layout.
@@ -37,46 +36,30 @@ class FullGradBuffer:
         device: torch.device,
     ) -> None:
         self._layout, self._shapes = layout, shapes
-        self._dtype, self._device = dtype, device
-        self._buffer: torch.Tensor | None = None
-        self._views: dict[str, torch.Tensor] = {}
-        self._stream: Stream | None = None
+        self._memory = FreeableBuffer(
+            layout.buffer_numel, dict(layout.offsets), shapes, dtype, device, "full gradient"
+        )
         self._uninitialized: set[str] = set()
         self._gaps = _gaps(layout)
 
-    @property
-    def allocated(self) -> bool:
-        """Whether the buffer holds memory (between the first gradient and the reduce)."""
-        return self._buffer is not None and self._buffer.untyped_storage().nbytes() > 0
-
     def _allocate(self) -> None:
-        if self._buffer is None:
-            self._buffer = torch.empty(
-                self._layout.buffer_numel, dtype=self._dtype, device=self._device
-            )
-            self._views = buffer_views(
-                self._buffer, dict(self._layout.offsets), self._shapes, "full gradient"
-            )
-        elif not self.allocated:
-            nbytes = self._buffer.numel() * self._dtype.itemsize
-            self._buffer.untyped_storage().resize_(nbytes)  # the views see the new memory
-        else:
-            return
-        self._stream = current_stream(self._device)
-        self._uninitialized = set(self._shapes)
+        if not self._memory.allocated:
+            self._memory.allocate()
+            self._uninitialized = set(self._shapes)
 
     def view(self, name: str) -> torch.Tensor:
         """Tensor `name`'s full gradient, initialized (zero if nothing was written yet)."""
         self._allocate()
+        view = self._memory.views[name]
         if name in self._uninitialized:
-            self._views[name].zero_()
+            view.zero_()
             self._uninitialized.discard(name)
-        return self._views[name]
+        return view
 
     def accumulate(self, name: str, grad: torch.Tensor) -> None:
         """Adds `grad` to tensor `name`'s full gradient (the first one is copied in)."""
         self._allocate()
-        view = self._views[name]
+        view = self._memory.views[name]
         if name in self._uninitialized:
             view.copy_(grad)
             self._uninitialized.discard(name)
@@ -85,28 +68,28 @@ class FullGradBuffer:
 
     def for_reduce(self) -> torch.Tensor:
         """The whole buffer, with every range nobody wrote zeroed (one kernel per run)."""
-        if self._buffer is None or not self.allocated:
+        if not self._memory.allocated:
             raise RuntimeError(
                 "no gradient to reduce: write into full_grad(name) or accumulate_grad() first"
             )
+        buffer = self._memory.allocate()
         ranges = list(self._gaps)
         for name in self._uninitialized:
             start = self._layout.offsets[name]
             ranges.append((start, start + self._shapes[name].numel()))
         for lo, hi in _merge(ranges):
-            self._buffer[lo:hi].zero_()
+            buffer[lo:hi].zero_()
         self._uninitialized.clear()
-        return self._buffer
+        return buffer
 
     def zero(self) -> None:
         """Forgets every gradient written so far (lazily: no kernel runs now)."""
-        if self.allocated:
+        if self._memory.allocated:
             self._uninitialized = set(self._shapes)
 
     def free(self) -> None:
         """Frees the memory; the views stay the same objects and raise if read meanwhile."""
-        if self._buffer is not None and self.allocated:
-            free_storage(self._buffer, self._stream)
+        self._memory.free()
 
 
 def _gaps(layout: Layout) -> list[tuple[int, int]]:

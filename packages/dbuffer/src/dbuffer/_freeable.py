@@ -1,0 +1,65 @@
+"""FreeableBuffer: a flat buffer whose memory comes and goes under views of fixed identity.
+
+Both of a DBuffer's global buffers work this way: the unsharded parameters (freed by
+`reshard()`) and the full gradients (freed by `reduce_scatter()`). The views are made once;
+freeing resizes the storage to zero bytes (on CUDA after the allocating stream has waited for
+the freeing one, `_streams.py`), and re-allocating resizes it back on the current stream, so
+the same view objects see the new memory. Reading a view in between raises (`_views.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dbuffer._streams import Stream, current_stream, free_storage
+from dbuffer._views import buffer_views
+
+
+class FreeableBuffer:
+    """`numel` elements of `dtype` on `device`, with one guarded view per tensor.
+
+    Args:
+        numel: Elements in the buffer.
+        offsets: Global start of each tensor.
+        shapes: Shape of each tensor.
+        dtype: The buffer's dtype.
+        device: Its device.
+        what: How errors name the views ("unsharded tensor", "full gradient").
+    """
+
+    def __init__(
+        self,
+        numel: int,
+        offsets: dict[str, int],
+        shapes: dict[str, torch.Size],
+        dtype: torch.dtype,
+        device: torch.device,
+        what: str,
+    ) -> None:
+        self._numel, self._offsets, self._shapes = numel, offsets, shapes
+        self._dtype, self._device, self._what = dtype, device, what
+        self._tensor: torch.Tensor | None = None
+        self.views: dict[str, torch.Tensor] = {}
+        self._stream: Stream | None = None
+
+    @property
+    def allocated(self) -> bool:
+        """Whether the buffer holds memory now (an empty buffer always does)."""
+        t = self._tensor
+        return t is not None and (t.numel() == 0 or t.untyped_storage().nbytes() > 0)
+
+    def allocate(self) -> torch.Tensor:
+        """The whole buffer, allocating (uninitialized) memory on the current stream if needed."""
+        if self._tensor is None:
+            self._tensor = torch.empty(self._numel, dtype=self._dtype, device=self._device)
+            self.views = buffer_views(self._tensor, self._offsets, self._shapes, self._what)
+            self._stream = current_stream(self._device)
+        elif not self.allocated:
+            self._tensor.untyped_storage().resize_(self._numel * self._dtype.itemsize)
+            self._stream = current_stream(self._device)
+        return self._tensor
+
+    def free(self) -> None:
+        """Frees the memory; the views stay the same objects and raise if read meanwhile."""
+        if self._tensor is not None and self.allocated and self._numel:
+            free_storage(self._tensor, self._stream)
