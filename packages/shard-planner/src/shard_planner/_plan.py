@@ -26,7 +26,8 @@ multiple, never past the best S already found. We start from a layout that is al
 (S a multiple of every block: each tensor then wastes < g_t) and stop as soon as S meets the
 lower bound. This is repeated for each candidate order: model order ("given"), by block size
 ("block", largest first), by size ("size", largest first), and a dynamic order ("fit");
-"auto" keeps the best, preferring the earlier order on ties, and stops at the lower bound.
+"auto" keeps the best, preferring the earlier order on ties, and stops at the lower bound
+(it tries "fit" only where that can gain enough, see below).
 
 The dynamic order (`_place_fit`). Fixed orders waste most when many equal tensors each longer
 than a shard have blocks that do not divide S (MoE experts): such a tensor may hold only one
@@ -238,7 +239,8 @@ def plan_layout(
             rank's chunk is aligned for NCCL).
         order: Tensor order in the buffer: "given" (model order), "block" (largest block
             first), "size" (largest first), "fit" (chosen while placing, see the module
-            docstring), or "auto" (the best of them; the earlier one on ties).
+            docstring), or "auto" (the best of them, the earlier one on ties; "fit" is tried
+            only when the others leave more than 0.1% of the group above the lower bound).
 
     Returns:
         A validated Layout whose S meets all three constraints of DESIGN.md.
