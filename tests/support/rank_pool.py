@@ -21,14 +21,18 @@ from typing import Any
 TIMEOUT_S = 180
 
 
-def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any) -> None:
+def _worker(
+    rank: int, world_size: int, backend: str, init_file: str, tasks: Any, results: Any
+) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"file://{init_file}",
         rank=rank,
         world_size=world_size,
@@ -50,9 +54,9 @@ def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any
 
 
 class RankPool:
-    """`world_size` spawned ranks joined in one gloo process group."""
+    """`world_size` spawned ranks joined in one process group (gloo; nccl: one GPU per rank)."""
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, backend: str = "gloo") -> None:
         ctx = mp.get_context("spawn")
         self.world_size = world_size
         self._dir = tempfile.TemporaryDirectory()
@@ -62,7 +66,7 @@ class RankPool:
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(rank, world_size, init_file, self._tasks[rank], self._results),
+                args=(rank, world_size, backend, init_file, self._tasks[rank], self._results),
                 daemon=True,
             )
             for rank in range(world_size)

@@ -1,8 +1,6 @@
-"""Checks run on each rank of a multi-GPU NCCL group (spawned by test_gpu.py)."""
+"""Checks run on each rank of a multi-GPU NCCL RankPool (see test_gpu.py)."""
 
 from __future__ import annotations
-
-import datetime
 
 import torch
 import torch.distributed as dist
@@ -11,16 +9,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from dbuffer import DBuffer
 
 
-def nccl_rank(rank: int, world: int, init_file: str) -> None:
-    torch.cuda.set_device(rank)
-    """One NCCL rank: unshard (fp32, bf16, async) and reduce-scatter against the full tensors."""
-    dist.init_process_group(
-        "nccl",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-    )
+def check_nccl_unshard_and_reduce_scatter() -> None:
+    """Unshard (fp32, bf16, async) and reduce-scatter against the full tensors."""
+    world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cuda", (world,))
     gen = torch.Generator().manual_seed(0)
     shapes = {"w1": (17, 8), "b1": (8,), "w2": (3 * world + 1, 5), "empty": (0, 4)}
@@ -34,11 +25,10 @@ def nccl_rank(rank: int, world: int, init_file: str) -> None:
             expected = t if dtype is None else t.to(dtype)
             assert torch.equal(buf.full(name, dtype=dtype), expected), (name, dtype)
         buf.reshard()
+        assert torch.isfinite(busy).all()
     for name in buf.names:
-        buf.full_grad(name).fill_(float(rank + 1))
+        buf.accumulate_grad(name, torch.full(shapes[name], float(rank + 1), device="cuda"))
     buf.reduce_scatter(op="avg", async_op=True).wait()
     mean = (world + 1) / 2
     for name, t in tensors:
         torch.testing.assert_close(buf.sharded_grad(name).full_tensor(), torch.full_like(t, mean))
-    assert torch.isfinite(busy).all()
-    dist.destroy_process_group()

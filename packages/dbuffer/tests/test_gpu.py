@@ -7,7 +7,6 @@ numerics need two GPUs.
 
 from __future__ import annotations
 
-import os
 import tempfile
 from collections.abc import Iterator
 
@@ -15,7 +14,7 @@ import gpu_cases
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from rank_pool import RankPool
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from dbuffer import DBuffer
@@ -101,6 +100,8 @@ def test_async_reduce_in_fp32_on_a_side_stream(mesh: DeviceMesh, no_record_strea
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL numerics need 2 GPUs")
 def test_nccl_unshard_and_reduce_scatter_match_the_reference() -> None:
-    world = min(torch.cuda.device_count(), 4)
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(gpu_cases.nccl_rank, args=(world, os.path.join(tmp, "rdzv")), nprocs=world)
+    pool = RankPool(min(torch.cuda.device_count(), 4), backend="nccl")
+    try:
+        pool.run(gpu_cases.check_nccl_unshard_and_reduce_scatter)
+    finally:
+        pool.close()
