@@ -46,6 +46,12 @@ def test_frees_wait_for_the_current_stream(pools, world) -> None:
     pools[world].run(cases.check_frees_wait_for_the_current_stream)
 
 
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_training_by_hand_matches_single_process(pools, world) -> None:
+    for optimizer in ("sgd", "adamw"):
+        pools[world].run(cases.check_training_matches_single_process, optimizer)
+
+
 def test_hsdp_2x2(pools) -> None:
     pools[4].run(cases.check_hsdp)
 
