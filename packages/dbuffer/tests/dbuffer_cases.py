@@ -164,6 +164,9 @@ def check_gradient_accumulation() -> None:
     expect_error(ValueError, lambda: buf.accumulate_grad("w1", torch.ones(3)), "shape (17, 8)")
     expect_error(ValueError, lambda: buf.accumulate_grad("w1", [1.0]), "got list")  # type: ignore[arg-type]
     expect_error(KeyError, lambda: buf.accumulate_grad("nope", torch.ones(1)), "'nope'")
+    expect_error(
+        TypeError, lambda: buf.accumulate_grad("s", torch.ones(1, dtype=torch.int64)), "int64"
+    )
 
 
 class _FakeStream:
@@ -388,12 +391,14 @@ def check_zero_copy(mixed: bool) -> dict[str, int]:
     }
 
 
-def check_training_matches_single_process(optimizer: str) -> None:
+def check_training_matches_single_process(optimizer: str, mode: str = "fp32") -> None:
     """DBuffer composed by hand into FSDP training equals full-batch single-process training.
 
     Per step: unshard, forward/backward with persistent nn.Parameters over the full views,
-    accumulate_grad, reshard, reduce_scatter(avg), the optimizer on the RaggedShard params
-    (in place on `local`), zero_grad. Each rank trains on its own slice of the batch.
+    accumulate_grad, reshard, reduce_scatter(avg) (+ all_reduce(avg) for HSDP), the optimizer
+    on the RaggedShard params (in place on `local`), zero_grad. Each rank trains on its own
+    slice of the batch. `mode`: "fp32", "bf16" (unshard and compute in bf16, gradients
+    accumulated and reduced in fp32), or "hsdp" (a 2 x 2 mesh, sharded on axis 1).
     """
     import copy
 
@@ -401,12 +406,19 @@ def check_training_matches_single_process(optimizer: str) -> None:
     from torch.func import functional_call
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    mesh = init_device_mesh("cpu", (world,))
+    if mode == "hsdp":
+        mesh = init_device_mesh("cpu", (2, world // 2))
+        axes = {"shard_dim": 1, "replicate_dim": 0}
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+        axes = {}
+    compute = torch.bfloat16 if mode == "bf16" else None
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 13), nn.Tanh(), nn.Linear(13, 3))
     reference = copy.deepcopy(model)
     names = [name for name, _ in model.named_parameters()]
-    buf = DBuffer([(n, p.detach()) for n, p in model.named_parameters()], mesh, block_rows=2)
+    tensors = [(n, p.detach()) for n, p in model.named_parameters()]
+    buf = DBuffer(tensors, mesh, block_rows=2, **axes)
     sharded = {name: nn.Parameter(buf.sharded(name)) for name in names}
     make_opt = {
         "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
@@ -419,30 +431,32 @@ def check_training_matches_single_process(optimizer: str) -> None:
     for _ in range(3):
         x = torch.randn(world * per_rank, 8, generator=gen)
         y = torch.randn(world * per_rank, 3, generator=gen)
-        # Reference: the full batch in one process.
+        # Reference: the full batch in one process, in fp32.
         ref_opt.zero_grad()
         nn.functional.mse_loss(reference(x), y).backward()
         ref_opt.step()
         # Sharded: this rank's slice.
-        buf.unshard().wait()
+        buf.unshard(dtype=compute).wait()
         if not unsharded:  # made once; they see each unshard's memory
-            unsharded = {name: nn.Parameter(buf.full(name)) for name in names}
+            unsharded = {name: nn.Parameter(buf.full(name, dtype=compute)) for name in names}
         mine = slice(rank * per_rank, (rank + 1) * per_rank)
-        out = functional_call(model, unsharded, (x[mine],))
-        nn.functional.mse_loss(out, y[mine]).backward()
+        out = functional_call(model, unsharded, (x[mine].to(compute or torch.float32),))
+        nn.functional.mse_loss(out.float(), y[mine]).backward()
         buf.reshard()
         for name, param in unsharded.items():
             assert param.grad is not None
-            buf.accumulate_grad(name, param.grad)
+            buf.accumulate_grad(name, param.grad)  # bf16 gradients land in fp32
             param.grad = None
         buf.reduce_scatter(op="avg").wait()
+        buf.all_reduce(op="avg").wait()
         for name, param in sharded.items():
             param.grad = buf.sharded_grad(name)
         opt.step()
         buf.zero_grad()
+    tolerance = {"atol": 2e-2, "rtol": 2e-2} if compute else {}
     for name, ref_param in reference.named_parameters():
-        torch.testing.assert_close(sharded[name].full_tensor(), ref_param.detach())
-        # The optimizer wrote into the buffer itself: the next unshard gathers it.
+        torch.testing.assert_close(sharded[name].full_tensor(), ref_param.detach(), **tolerance)
+    # The optimizer wrote into the buffer itself: the next unshard gathers it.
     buf.unshard().wait()
     for name, ref_param in reference.named_parameters():
-        torch.testing.assert_close(buf.full(name), ref_param.detach())
+        torch.testing.assert_close(buf.full(name), ref_param.detach(), **tolerance)

@@ -49,7 +49,10 @@ def test_frees_wait_for_the_current_stream(pools, world) -> None:
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_training_by_hand_matches_single_process(pools, world) -> None:
     for optimizer in ("sgd", "adamw"):
-        pools[world].run(cases.check_training_matches_single_process, optimizer)
+        for mode in ("fp32", "bf16"):
+            pools[world].run(cases.check_training_matches_single_process, optimizer, mode)
+    if world == 4:
+        pools[world].run(cases.check_training_matches_single_process, "adamw", "hsdp")
 
 
 def test_hsdp_2x2(pools) -> None:

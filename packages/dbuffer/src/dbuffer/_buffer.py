@@ -292,6 +292,10 @@ class DBuffer:
             raise ValueError(
                 f"accumulate_grad({name!r}): gradient on {grad.device}, buffer on {self.device}"
             )
+        if not (grad.is_floating_point() or grad.is_complex()):
+            raise TypeError(
+                f"accumulate_grad({name!r}): gradients must be floating point, got {grad.dtype}"
+            )
         self._wait_reduce()
         self._grad.accumulate(name, grad)
 
