@@ -75,7 +75,7 @@ class BufferView(torch.Tensor):
                             f"{_hint(view.what)}"
                         )
             out = func(*args, **kwargs)
-            return _rewrap(out, views)
+            return _rewrap(out, views, func)
 
 
 def guard(tensor: torch.Tensor, what: str) -> BufferView:
@@ -107,17 +107,29 @@ def _tensor_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Te
     return found
 
 
-def _rewrap(out: Any, views: list[BufferView]) -> Any:
-    """Re-guards outputs that alias one of `views`' storage; other outputs stay plain."""
+def _rewrap(out: Any, views: list[BufferView], func: Callable[..., Any]) -> Any:
+    """Re-guards outputs that alias one of `views`; other outputs stay plain.
+
+    Aliases are views whose base is a view's base (or the view itself, for views of an
+    `nn.Parameter(view)`), and `detach()` of a view; checking identities keeps this cheap on
+    the hot path (a compute op's output is not a view and returns at once).
+    """
     if type(out) in (list, tuple):  # split, unbind, chunk
-        return type(out)([_rewrap(o, views) for o in out])
-    if not isinstance(out, torch.Tensor) or isinstance(out, BufferView) or not views:
+        return type(out)([_rewrap(o, views, func) for o in out])
+    if not isinstance(out, torch.Tensor) or isinstance(out, BufferView):
         return out
-    ptr = out.untyped_storage().data_ptr()
+    if func is _DETACH:
+        return guard(out, views[0].what) if views else out
+    if not out._is_view():
+        return out
+    base = out._base
     for view in views:
-        if ptr and view.untyped_storage().data_ptr() == ptr:
+        if base is view or base is view._base:
             return guard(out, view.what)
     return out
+
+
+_DETACH = torch.Tensor.detach
 
 
 def buffer_views(
