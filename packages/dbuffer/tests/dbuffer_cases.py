@@ -219,7 +219,13 @@ def check_freed_views_raise() -> None:
     buf.unshard().wait()
     w1 = buf.full("w1")
     derived = {"t()": w1.t(), "row": w1[1], "param": torch.nn.Parameter(w1)}
-    expected = {"t()": w1.t().contiguous(), "row": w1[1].clone(), "param": w1.clone()}
+    derived["param.t()"] = derived["param"].t()
+    expected = {
+        "t()": w1.t().contiguous(),
+        "row": w1[1].clone(),
+        "param": w1.clone(),
+        "param.t()": w1.t().contiguous(),
+    }
     buf.reshard()
     freed = "unsharded tensor 'w1' is freed"
     readers = {
@@ -231,6 +237,7 @@ def check_freed_views_raise() -> None:
         "linear": lambda: torch.nn.functional.linear(torch.ones(1, 8), derived["param"]),
         "t()": lambda: derived["t()"].sum(),
         "row": lambda: derived["row"] * 2,
+        "param.t()": lambda: derived["param.t()"].sum(),
         "foreach": lambda: torch._foreach_mul([w1, buf.full_grad("w1")], 2.0),
     }
     for read in readers.values():
