@@ -163,17 +163,19 @@ def _place_fit(
 class _Search:
     """Finds the smallest feasible S for one tensor order, bounded by the best S so far.
 
-    `order` is a fixed permutation of the tensors, or "fit" for the dynamic order.
+    `order` is a fixed permutation of the tensors, or, for the dynamic order "fit", the
+    tensor indices by (numel, atom) (`_types`).
     """
 
     def __init__(
-        self, specs: Sequence[TensorSpec], order: list[int] | Literal["fit"], world_size: int
+        self,
+        specs: Sequence[TensorSpec],
+        order: list[int] | dict[tuple[int, int], list[int]],
+        world_size: int,
     ) -> None:
         self.world_size = world_size
         self.order = order
-        if order == "fit":
-            self.types = _types(specs)
-        else:
+        if isinstance(order, list):
             self.sizes = [specs[i].numel for i in order]
             self.atoms = [specs[i].atom for i in order]
         self.num_checks = 0
@@ -181,8 +183,8 @@ class _Search:
     def feasible(self, size: int) -> Placement | None:
         self.num_checks += 1
         capacity = self.world_size * size
-        if self.order == "fit":
-            return _place_fit(self.types, size, capacity)
+        if isinstance(self.order, dict):
+            return _place_fit(self.order, size, capacity)
         starts = _place(self.sizes, self.atoms, size, capacity)
         return None if starts is None else (self.order, starts)
 
@@ -279,12 +281,13 @@ def plan_layout(
     searched: set[tuple[int, ...]] = set()
     for name in ("given", "block", "size", "fit") if order == "auto" else (order,):
         if name == "fit":
+            types = _types(specs)
             above_floor = (best_size - bound) * world_size
             if order == "auto" and (
-                len(_types(specs)) > MAX_FIT_TYPES or above_floor <= FIT_MIN_GAIN * total
+                len(types) > MAX_FIT_TYPES or above_floor <= FIT_MIN_GAIN * total
             ):
                 continue
-            search = _Search(specs, "fit", world_size)
+            search = _Search(specs, types, world_size)
         else:
             perm = _order(specs, name)
             if tuple(perm) in searched:
@@ -303,10 +306,9 @@ def plan_layout(
         if best_size == bound:
             break
 
-    if best_search is None:
-        # Only "fit" on its own can fail everywhere below `safe`; `safe` is feasible in the
-        # model order.
-        best_search = _Search(specs, list(range(len(specs))), world_size)
+    # The last grid is lcm(align, every block), on which `safe` is feasible in any order
+    # (each tensor then wastes less than its block), so the first order searched finds an S.
+    assert best_search is not None
     placed = best_search.feasible(best_size)
     assert placed is not None, "the chosen shard size must be feasible for its order"
     starts = [0] * len(specs)
