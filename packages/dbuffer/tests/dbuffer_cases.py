@@ -164,6 +164,21 @@ def check_gradient_accumulation() -> None:
     expect_error(ValueError, lambda: buf.accumulate_grad("w1", torch.ones(3)), "shape (17, 8)")
     expect_error(ValueError, lambda: buf.accumulate_grad("w1", [1.0]), "got list")  # type: ignore[arg-type]
     expect_error(KeyError, lambda: buf.accumulate_grad("nope", torch.ones(1)), "'nope'")
+    expect_error(ValueError, lambda: buf.copy_({"w1": torch.ones(3)}), "shape (17, 8)")
+    expect_error(ValueError, lambda: buf.copy_({"w1": [1.0]}), "got <class 'list'>")  # type: ignore[dict-item]
+    expect_error(TypeError, lambda: buf.copy_([("w1", step3["w1"])]), "mapping")  # type: ignore[arg-type]
+    expect_error(TypeError, lambda: buf.scale_grad_("2"), "must be a number")  # type: ignore[arg-type]
+    # copy_: full tensors by name, then a whole DBuffer of the same layout.
+    doubled = {name: 2 * t for name, t in tensors.items()}
+    buf.copy_({"w1": doubled["w1"], "b1": doubled["b1"]})
+    other = DBuffer(list(tensors.items()), mesh, layout=buf.layout)
+    buf.unshard().wait()
+    for name, t in tensors.items():
+        assert torch.equal(buf.full(name), doubled[name] if name in ("w1", "b1") else t), name
+    buf.copy_(other)
+    buf.unshard().wait()
+    for name, t in tensors.items():
+        assert torch.equal(buf.full(name), t), name
     expect_error(
         TypeError, lambda: buf.accumulate_grad("s", torch.ones(1, dtype=torch.int64)), "int64"
     )

@@ -111,12 +111,7 @@ class DBuffer:
         self._group = mesh.get_group(self.shard_dim)
         size = self.layout.shard_size
         self.local = torch.zeros(size, dtype=self.dtype, device=self.device)
-        base = self._rank * size
-        for name, t in tensors:
-            lo, hi = self.layout.local_range(name, self._rank)
-            if hi > lo:
-                start = base + lo - self.layout.offsets[name]
-                self.local[lo:hi].copy_(t.reshape(-1)[start : start + hi - lo])
+        self.copy_(dict(tensors))
         self._sharded = {name: self._make_sharded(name, self.local) for name, _ in tensors}
         # Global (unsharded) buffers by dtype, and the unshards still in flight into them.
         self._global: dict[torch.dtype, FreeableBuffer] = {}
@@ -401,6 +396,9 @@ class DBuffer:
 
     def scale_grad_(self, factor: float) -> None:
         """Multiplies the local gradient shard by `factor` in one kernel."""
+        value: object = factor  # callers may pass anything; check before use
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise TypeError(f"scale_grad_ factor must be a number, got {factor!r}")
         self.local_grad.mul_(factor)
 
     def copy_(self, other: DBuffer | Mapping[str, torch.Tensor]) -> None:
@@ -410,13 +408,21 @@ class DBuffer:
                 raise ValueError("copy_ needs a DBuffer with the same layout")
             self.local.copy_(other.local)
             return
+        if not isinstance(other, Mapping):
+            raise TypeError(
+                f"copy_ takes a DBuffer or a mapping of name to tensor, got {type(other).__name__}"
+            )
         base = self._rank * self.shard_size
         for name, value in other.items():
             self._check_name(name)
-            if value.shape != self._shapes[name]:
+            given: object = value  # callers may pass anything; check before use
+            if not isinstance(given, torch.Tensor) or given.shape != self._shapes[name]:
+                got = tuple(given.shape) if isinstance(given, torch.Tensor) else type(given)
                 raise ValueError(
-                    f"copy_ of {name!r}: shape {tuple(value.shape)} != {tuple(self._shapes[name])}"
+                    f"copy_ of {name!r}: expected a tensor of shape "
+                    f"{tuple(self._shapes[name])}, got {got}"
                 )
             lo, hi = self.layout.local_range(name, self._rank)
-            start = base + lo - self.layout.offsets[name]
-            self.local[lo:hi].copy_(value.reshape(-1)[start : start + hi - lo])
+            if hi > lo:
+                start = base + lo - self.layout.offsets[name]
+                self.local[lo:hi].copy_(value.reshape(-1)[start : start + hi - lo])
