@@ -172,10 +172,12 @@ def check_gradient_accumulation() -> None:
     doubled = {name: 2 * t for name, t in tensors.items()}
     buf.copy_({"w1": doubled["w1"], "b1": doubled["b1"]})
     other = DBuffer(list(tensors.items()), mesh, layout=buf.layout)
+    buf.reshard()
     buf.unshard().wait()
     for name, t in tensors.items():
         assert torch.equal(buf.full(name), doubled[name] if name in ("w1", "b1") else t), name
     buf.copy_(other)
+    buf.reshard()
     buf.unshard().wait()
     for name, t in tensors.items():
         assert torch.equal(buf.full(name), t), name
@@ -482,3 +484,110 @@ def check_training_matches_single_process(optimizer: str, mode: str = "fp32") ->
     buf.unshard().wait()
     for name, ref_param in reference.named_parameters():
         torch.testing.assert_close(buf.full(name), ref_param.detach(), **tolerance)
+
+
+def check_unshard_is_a_noop_while_unsharded() -> None:
+    """A second unshard() gathers nothing (FSDP2's semantics); after reshard() it gathers."""
+    from ragged_placement import CommCounter
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    tensors = _tensors(world, "fp32", seed=11)
+    buf = DBuffer(tensors, mesh)
+    buf.unshard().wait()
+    buf.local.add_(1.0)  # e.g. an optimizer step while unsharded
+    with CommCounter() as counter:
+        buf.unshard().wait()
+    assert counter.bytes_received == 0, counter
+    for name, t in tensors:
+        assert torch.equal(buf.full(name), t), name  # not re-gathered
+    buf.reshard()
+    with CommCounter() as counter:
+        buf.unshard().wait()
+    if world > 1:
+        assert counter.bytes_received > 0, counter
+    for name, t in tensors:
+        assert torch.equal(buf.full(name), t + 1), name
+
+
+def check_backward_after_reshard_and_unshard(prefetch: bool, dtype: str) -> None:
+    """Forward saves the full views; reshard; unshard again; backward is correct.
+
+    The unshard after the reshard writes the views' memory through an alias with its own
+    version counter, so autograd does not see an in-place change of what forward saved.
+    `prefetch`: the second unshard is issued asynchronously before backward starts.
+    """
+    from torch import nn
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,))
+    compute = DTYPES[dtype]
+    gen = torch.Generator().manual_seed(12)
+    w1, w2 = torch.randn(7, 5, generator=gen), torch.randn(3, 7, generator=gen)
+    x = torch.randn(4, 5, generator=gen)
+    buf = DBuffer([("w1", w1), ("w2", w2)], mesh)
+    buf.unshard(dtype=compute).wait()
+    params = {n: nn.Parameter(buf.full(n, dtype=compute)) for n in ("w1", "w2")}
+    versions = {n: p._version for n, p in params.items()}
+    loss = (torch.tanh(x.to(compute) @ params["w1"].t()) @ params["w2"].t()).float().sum()
+    buf.reshard()
+    handle = buf.unshard(dtype=compute, async_op=prefetch)
+    handle.wait()
+    assert {n: p._version for n, p in params.items()} == versions
+    loss.backward()
+    ref = {n: t.to(compute).requires_grad_() for n, t in (("w1", w1), ("w2", w2))}
+    (torch.tanh(x.to(compute) @ ref["w1"].t()) @ ref["w2"].t()).float().sum().backward()
+    for name, param in params.items():
+        assert param.grad is not None
+        torch.testing.assert_close(param.grad, ref[name].grad, msg=f"rank {rank} {name}")
+    # Writing into the views directly is still seen by autograd (only the buffer's own
+    # gathers are exempt).
+    loss = (params["w1"] * params["w1"]).float().sum()
+    with torch.no_grad():
+        params["w1"].mul_(2.0)
+    expect_error(RuntimeError, loss.backward, "modified by an inplace operation")
+
+
+def check_reduce_scatter_accumulate() -> None:
+    """accumulate=True adds each reduce to local_grad (sharded gradient accumulation)."""
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,))
+    tensors = _tensors(world, "fp32", seed=13)
+    buf = DBuffer(tensors, mesh)
+    total = {name: torch.zeros(t.shape) for name, t in tensors}
+    for micro in range(3):
+        for name, t in tensors:
+            grad = torch.full(t.shape, float(rank + 1 + micro))
+            buf.accumulate_grad(name, grad)
+            total[name] += sum(torch.full(t.shape, float(r + 1 + micro)) for r in range(world))
+        buf.reduce_scatter(op="sum", accumulate=micro > 0, async_op=micro == 2).wait()
+    for name, _ in tensors:
+        torch.testing.assert_close(buf.sharded_grad(name).full_tensor(), total[name])
+    expect_error(TypeError, lambda: buf.reduce_scatter(accumulate=1), "accumulate must be")  # type: ignore[arg-type]
+
+
+def check_apply_moves_storage() -> None:
+    """apply_(fn) re-homes the shard (meta -> cpu with to_empty semantics, then a dtype)."""
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    shapes = {"w": (3 * world + 2, 5), "b": (5,)}
+    buf = DBuffer([(n, torch.empty(s, device="meta")) for n, s in shapes.items()], mesh)
+    assert buf.local.is_meta and buf.sharded("w").to_local().is_meta
+    buf.apply_(lambda t: torch.empty_like(t, device="cpu"))
+    assert buf.device == torch.device("cpu") and not buf.local.is_meta
+    full = {
+        n: torch.randn(s, generator=torch.Generator().manual_seed(14)) for n, s in shapes.items()
+    }
+    buf.copy_(full)
+    local = buf.sharded("w").to_local()
+    assert local.untyped_storage().data_ptr() == buf.local.untyped_storage().data_ptr()
+    buf.unshard().wait()
+    for name, t in full.items():
+        assert torch.equal(buf.full(name), t)
+    expect_error(RuntimeError, lambda: buf.apply_(lambda t: t.double()), "reshard() first")
+    buf.reshard()
+    buf.apply_(lambda t: t.double())
+    assert buf.dtype == torch.float64
+    assert torch.equal(buf.sharded("w").full_tensor(), full["w"].double())
+    expect_error(ValueError, lambda: buf.apply_(lambda t: t[:0]), "must return a tensor")

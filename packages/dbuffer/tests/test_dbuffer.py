@@ -75,3 +75,17 @@ def test_unshard_and_reduce_scatter_make_no_copies(pools, world) -> None:
             assert r["allocating_ops"] == [], r
             # One allocation per unshard: the global buffer's storage growing back.
             assert r["storage_bytes"] == [0, r["buffer_bytes"]], r
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_unshard_noop_accumulate_and_apply(pools, world) -> None:
+    pools[world].run(cases.check_unshard_is_a_noop_while_unsharded)
+    pools[world].run(cases.check_reduce_scatter_accumulate)
+    pools[world].run(cases.check_apply_moves_storage)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_backward_after_reshard_and_unshard(pools, world) -> None:
+    for prefetch in (False, True):
+        for dtype in ("fp32", "bf16"):
+            pools[world].run(cases.check_backward_after_reshard_and_unshard, prefetch, dtype)

@@ -22,7 +22,7 @@ Memory model (see DESIGN.md, "DBuffer"):
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -115,7 +115,7 @@ class DBuffer:
         self._sharded = {name: self._make_sharded(name, self.local) for name, _ in tensors}
         # Global (unsharded) buffers by dtype, and the unshards still in flight into them.
         self._global: dict[torch.dtype, FreeableBuffer] = {}
-        self._pending_unshards: list[Handle] = []
+        self._pending_unshards: dict[torch.dtype, Handle] = {}
         self._grad = FullGradBuffer(self.layout, self._shapes, self.dtype, self.device)
         self._pending_reduce: Handle | None = None
         self.local_grad = torch.zeros_like(self.local)
@@ -186,8 +186,12 @@ class DBuffer:
     def unshard(self, *, dtype: torch.dtype | None = None, async_op: bool = False) -> Handle:
         """All-gathers every rank's shard into the global buffer (of `dtype`, default ours).
 
-        Runs on the current stream. On CUDA, make that stream wait for whatever last wrote
-        `local` (e.g. the optimizer step) if it is not the same stream.
+        A no-op while that buffer is already unsharded (it returns the pending Handle, or a
+        finished one), as FSDP2's `unshard()` is: after writing `local` (an optimizer step),
+        `reshard()` first to gather the new values. Runs on the current stream; on CUDA,
+        make that stream wait for whatever last wrote `local` if it is not the same stream.
+        The gather writes through an alias with its own version counter, so tensors that
+        autograd saved from `full(name)` before a `reshard()` stay valid for backward.
 
         Args:
             dtype: Gather in this dtype (mixed precision); the local shard is cast once.
@@ -200,6 +204,9 @@ class DBuffer:
             >>> buf.unshard(dtype=torch.bfloat16).wait()  # doctest: +SKIP
         """
         dtype = check_dtype("unshard dtype", dtype) or self.dtype
+        memory = self._global.get(dtype)
+        if memory is not None and memory.allocated:
+            return self._pending_unshards.get(dtype) or Handle()
         buffer = self._global_buffer(dtype)
         if dtype == self.dtype:
             send = self.local
@@ -219,7 +226,7 @@ class DBuffer:
                     dist.all_gather_single(buffer, send, group=self._group, async_op=async_op)
                 )
         handle = Handle(works, device=self.device, event=record_event(self.device))
-        self._pending_unshards = [h for h in self._pending_unshards if not h.done] + [handle]
+        self._pending_unshards[dtype] = handle
         return handle
 
     def reshard(self) -> None:
@@ -229,11 +236,16 @@ class DBuffer:
         raises and reading a view obtained earlier raises a RuntimeError (the memory is freed).
         Runs on the current stream: on CUDA, call it on the stream that last read the views.
         """
-        for handle in self._pending_unshards:
+        for handle in self._pending_unshards.values():
             handle.wait()
-        self._pending_unshards = []
+        self._pending_unshards = {}
         for memory in self._global.values():
             memory.free()
+
+    @property
+    def is_unsharded(self) -> bool:
+        """Whether any global buffer holds memory (an unshard ran and no reshard since)."""
+        return any(memory.allocated for memory in self._global.values())
 
     def full(self, name: str, *, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The unsharded tensor: a view of the global buffer, the same object every time.
@@ -304,6 +316,7 @@ class DBuffer:
         op: Literal["avg", "sum"] = "avg",
         divide_factor: float | None = None,
         reduce_dtype: torch.dtype | None = None,
+        accumulate: bool = False,
         async_op: bool = False,
     ) -> Handle:
         """Reduces the global gradient buffer across ranks into `local_grad`, then frees it.
@@ -313,6 +326,9 @@ class DBuffer:
             divide_factor: Divide the gradients by this before summing (replaces `op`); the
                 division happens in place on the global gradient buffer.
             reduce_dtype: Reduce in this dtype (e.g. float32 for bf16 gradients).
+            accumulate: Add the result to `local_grad` instead of overwriting it (sharded
+                gradient accumulation: reduce every micro-batch, step once). It reduces into
+                a temporary of S elements and adds it: one more pass than overwriting.
             async_op: Return before the collective completes.
 
         Returns:
@@ -325,6 +341,8 @@ class DBuffer:
         """
         if op not in _OPS:
             raise ValueError(f"op must be one of {sorted(_OPS)}, got {op!r}")
+        if not isinstance(accumulate, bool):
+            raise TypeError(f"accumulate must be a bool, got {accumulate!r}")
         reduce_dtype = check_dtype("reduce_dtype", reduce_dtype)
         self._wait_reduce()
         grad = self._grad.for_reduce()
@@ -339,7 +357,7 @@ class DBuffer:
         send = grad if reduce_dtype in (None, self.dtype) else grad.to(reduce_dtype)
         out = (
             self.local_grad
-            if send.dtype == self.dtype
+            if send.dtype == self.dtype and not accumulate
             else torch.empty(self.shard_size, dtype=send.dtype, device=self.device)
         )
         works: list[dist.Work | None] = []
@@ -356,10 +374,14 @@ class DBuffer:
 
         def finish() -> None:
             if out is not self.local_grad:
-                self.local_grad.copy_(out)
+                if accumulate:
+                    self.local_grad.add_(out)
+                else:
+                    self.local_grad.copy_(out)
                 # The temporaries were allocated on the issuing stream; order their reuse.
                 for temp in (send, out):
-                    free_storage(temp, alloc_stream)
+                    if temp is not grad:
+                        free_storage(temp, alloc_stream)
             self._grad.free()
             self._pending_reduce = None
 
@@ -385,6 +407,46 @@ class DBuffer:
         with record_function("DBuffer::all_reduce"):
             work = dist.all_reduce(self.local_grad, op=_OPS[op], group=group, async_op=async_op)
         return Handle([work], device=self.device, event=record_event(self.device))
+
+    # -- moving the storage -------------------------------------------------------------------
+
+    def apply_(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Converts the sharded storage with `fn` (a new device or dtype), keeping the layout.
+
+        This is what `nn.Module._apply` does to a module's tensors (`.to(device)`,
+        `to_empty(device=...)`, `.double()`): `local` becomes `fn(local)` and every sharded
+        view is made again over it (new objects). Gradients start from zero. Used after
+        building a model on the meta device: the buffer then allocates only this rank's shard.
+
+        Args:
+            fn: Maps the flat local shard to its converted copy (same number of elements).
+
+        Raises:
+            RuntimeError: the buffer is unsharded (call `reshard()` first).
+            ValueError: `fn` did not return a tensor of S elements.
+
+        Example:
+            >>> buf.apply_(lambda t: torch.empty_like(t, device="cpu"))  # doctest: +SKIP
+        """
+        if self.is_unsharded:
+            raise RuntimeError("apply_() needs a resharded DBuffer: call reshard() first")
+        self._wait_reduce()
+        local: object = fn(self.local)
+        if not isinstance(local, torch.Tensor) or local.numel() != self.shard_size:
+            got = local.shape if isinstance(local, torch.Tensor) else type(local).__name__
+            raise ValueError(
+                f"apply_: fn must return a tensor of {self.shard_size} elements, got {got}"
+            )
+        self.local = local.contiguous().view(-1)
+        self.dtype, self.device = self.local.dtype, self.local.device
+        self.local_grad = torch.zeros_like(self.local)
+        self._global = {}
+        self._pending_unshards = {}
+        self._grad = FullGradBuffer(self.layout, self._shapes, self.dtype, self.device)
+        self._sharded = {name: self._make_sharded(name, self.local) for name in self.names}
+        self._sharded_grads = {
+            name: self._make_sharded(name, self.local_grad) for name in self.names
+        }
 
     # -- group ops ----------------------------------------------------------------------------
 

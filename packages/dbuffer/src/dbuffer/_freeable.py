@@ -5,6 +5,13 @@ Both of a DBuffer's global buffers work this way: the unsharded parameters (free
 freeing resizes the storage to zero bytes (on CUDA after the allocating stream has waited for
 the freeing one, `_streams.py`), and re-allocating resizes it back on the current stream, so
 the same view objects see the new memory. Reading a view in between raises (`_views.py`).
+
+Writers (the collectives, the mixed-precision cast, gradient zeroing) go through a second alias
+of the storage with a version counter of its own (`allocate()` returns it). Autograd checks the
+version counter of every tensor it saved: forward may save an unsharded parameter, the buffer
+is freed after forward and gathered again for backward, and that gather must not look like an
+in-place change of what forward saved (FSDP2 keeps the counter the same way around its
+all-gather copy-out).
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ class FreeableBuffer:
         self._numel, self._offsets, self._shapes = numel, offsets, shapes
         self._dtype, self._device, self._what = dtype, device, what
         self._tensor: torch.Tensor | None = None
+        self._writer: torch.Tensor | None = None
         self.views: dict[str, torch.Tensor] = {}
         self._stream: Stream | None = None
 
@@ -49,15 +57,23 @@ class FreeableBuffer:
         return t is not None and (t.numel() == 0 or t.untyped_storage().nbytes() > 0)
 
     def allocate(self) -> torch.Tensor:
-        """The whole buffer, allocating (uninitialized) memory on the current stream if needed."""
-        if self._tensor is None:
+        """The whole buffer, allocating (uninitialized) memory on the current stream if needed.
+
+        Returns:
+            A flat alias of the buffer for writing: it shares the memory of the views but not
+            their version counter, so writes through it leave autograd's saved views valid.
+        """
+        if self._tensor is None or self._writer is None:
             self._tensor = torch.empty(self._numel, dtype=self._dtype, device=self._device)
             self.views = buffer_views(self._tensor, self._offsets, self._shapes, self._what)
+            # A fresh tensor set to the same storage: one memory, its own version counter.
+            self._writer = torch.empty(0, dtype=self._dtype, device=self._device)
+            self._writer.set_(self._tensor.untyped_storage(), 0, (self._numel,))
             self._stream = current_stream(self._device)
         elif not self.allocated:
             self._tensor.untyped_storage().resize_(self._numel * self._dtype.itemsize)
             self._stream = current_stream(self._device)
-        return self._tensor
+        return self._writer
 
     def free(self) -> None:
         """Frees the memory; the views stay the same objects and raise if read meanwhile."""
