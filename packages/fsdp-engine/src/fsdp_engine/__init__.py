@@ -1,10 +1,31 @@
-"""fully_shard with FSDP2's API, backed by planned zero-copy buffers.
+"""fsdp_engine: `fully_shard` with FSDP2's API, backed by planned zero-copy buffers.
 
-This package is an importable skeleton: its API arrives with the issue that builds it
-(a later issue). It exports nothing but its version until then, so that nothing downstream can
-depend on a placeholder.
+Switch `from torch.distributed.fsdp import fully_shard` to `from fsdp_engine import
+fully_shard`: each call puts its group's parameters in one planned buffer per dtype (a DBuffer),
+shards it with RaggedShard (whole rows, or whole blocks of `block_rows` rows, per rank), and
+runs the all-gather and reduce-scatter in place on that buffer.
+
+Example:
+    >>> from fsdp_engine import MixedPrecisionPolicy, fully_shard
+    >>> for block in model.layers:  # doctest: +SKIP
+    ...     fully_shard(block)
+    >>> fully_shard(model)  # doctest: +SKIP
 """
+
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+from fsdp_engine._api import fully_shard, register_fsdp_forward_method
+from fsdp_engine._module import FSDPModule, UnshardHandle
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "CPUOffloadPolicy",
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "UnshardHandle",
+    "__version__",
+    "fully_shard",
+    "register_fsdp_forward_method",
+]

@@ -1,0 +1,405 @@
+"""`fully_shard`: FSDP2's entry point, with one planned DBuffer per group and dtype."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar, overload
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.tensor import Shard
+
+from dbuffer import DBuffer
+from fsdp_engine._group import Location, ManagedParam, ParamGroup
+from fsdp_engine._module import _STATE, FSDPModule, state_of
+from fsdp_engine._state import FSDPState
+
+BlockRowsArg = int | Mapping[str, int] | Callable[[str, nn.Parameter], int] | None
+M = TypeVar("M", bound=nn.Module)
+
+_CLASS_CACHE: dict[type, type] = {}
+
+
+@overload
+def fully_shard(
+    module: M,
+    *,
+    mesh: DeviceMesh | None = ...,
+    reshard_after_forward: bool | int | None = ...,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
+    mp_policy: MixedPrecisionPolicy = ...,
+    offload_policy: OffloadPolicy = ...,
+    ignored_params: set[nn.Parameter] | None = ...,
+    block_rows: BlockRowsArg = ...,
+) -> M: ...
+
+
+@overload
+def fully_shard(
+    module: list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = ...,
+    reshard_after_forward: bool | int | None = ...,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
+    mp_policy: MixedPrecisionPolicy = ...,
+    offload_policy: OffloadPolicy = ...,
+    ignored_params: set[nn.Parameter] | None = ...,
+    block_rows: BlockRowsArg = ...,
+) -> list[nn.Module]: ...
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 (frozen, as FSDP2)
+    offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008
+    ignored_params: set[nn.Parameter] | None = None,
+    block_rows: BlockRowsArg = None,
+) -> nn.Module | list[nn.Module]:
+    """Shards `module`'s parameters (those no nested call took) into one group, as FSDP2 does.
+
+    Call it bottom-up (each block, then the root). Between iterations the parameters are
+    RaggedShard DTensors over one planned buffer per dtype (a DBuffer); forward and backward
+    gather the group in place and gradients are reduce-scattered from one buffer, with no
+    copy-in or copy-out. The module's class becomes `FSDP<Name>`, with FSDPModule's methods.
+
+    Args:
+        module: A module, or a list of modules that form one group (e.g. `[norm, output]`).
+        mesh: 1-D (FSDP) or 2-D (replicate, shard) = HSDP. None: a 1-D mesh over the default
+            process group, initialized from torchrun's environment if needed.
+        reshard_after_forward: Free the gathered parameters after forward. None: True except
+            for the root. Ints (FSDP2's reshard to a smaller world) are not supported.
+        shard_placement_fn: FSDP2's per-parameter placement; only None or Shard(0) (the
+            default: RaggedShard over whole rows) are accepted.
+        mp_policy: Mixed precision (param_dtype, reduce_dtype, output_dtype,
+            cast_forward_inputs), as in FSDP2.
+        offload_policy: Only OffloadPolicy() (no offload) is supported.
+        ignored_params: Parameters left unsharded and untouched.
+        block_rows: Rows per block that no shard boundary may cut: an int, a mapping from
+            parameter FQN (relative to `module`; "i.fqn" for the i-th module of a list) to
+            int, or a function of (fqn, param). Default 1: every rank holds whole rows.
+
+    Returns:
+        The same module (or list), now FSDPModule(s).
+
+    Example:
+        >>> for block in model.layers:  # doctest: +SKIP
+        ...     fully_shard(block, block_rows=32)
+        >>> fully_shard(model)  # doctest: +SKIP
+    """
+    modules = _check_modules(module)
+    mesh = _resolve_mesh(mesh)
+    reshard = _check_reshard_after_forward(reshard_after_forward)
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {mp_policy!r}")
+    if isinstance(offload_policy, CPUOffloadPolicy):
+        raise NotImplementedError(
+            "fsdp_engine does not support CPUOffloadPolicy: parameters are views of a "
+            "device-side DBuffer; pass OffloadPolicy() (no offload)"
+        )
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(f"offload_policy must be an OffloadPolicy, got {offload_policy!r}")
+    ignored = _check_ignored(ignored_params)
+    found = _collect_params(modules, ignored)
+    _check_placements(found, shard_placement_fn)
+    rows = _resolve_block_rows(block_rows, found)
+    group = _build_group(found, rows, mesh, mp_policy, label=type(modules[0]).__name__)
+    state = FSDPState(modules, group, reshard, mp_policy)
+    for mod in modules:
+        _install(mod, state)
+    return module
+
+
+# -- argument checks ---------------------------------------------------------------------------
+
+
+def _check_modules(module: object) -> tuple[nn.Module, ...]:
+    modules = tuple(module) if isinstance(module, list | tuple) else (module,)
+    if not modules:
+        raise ValueError("fully_shard needs a module or a non-empty list of modules")
+    for mod in modules:
+        if not isinstance(mod, nn.Module):
+            raise TypeError(f"fully_shard takes nn.Modules, got {type(mod).__name__}")
+        if isinstance(mod, FSDPModule):
+            raise ValueError(
+                f"fully_shard was already applied to this {type(mod).__name__}; apply it "
+                f"once per module"
+            )
+    return modules
+
+
+def _resolve_mesh(mesh: object) -> DeviceMesh:
+    if mesh is None:
+        if not dist.is_initialized():
+            if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+                raise RuntimeError(
+                    "fully_shard(mesh=None) needs torch.distributed initialized or torchrun's "
+                    "environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)"
+                )
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        return init_device_mesh(device, (dist.get_world_size(),))
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"mesh must be 1-D (FSDP) or 2-D (replicate, shard) for HSDP, got a "
+            f"{mesh.ndim}-D mesh of shape {tuple(mesh.shape)}"
+        )
+    return mesh
+
+
+def _check_reshard_after_forward(value: object) -> bool | None:
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        raise ValueError(
+            f"reshard_after_forward={value}: resharding to a smaller world after forward is "
+            f"not supported; use True, False or None"
+        )
+    raise TypeError(f"reshard_after_forward must be a bool or None, got {value!r}")
+
+
+def _check_ignored(ignored: object) -> set[nn.Parameter]:
+    if ignored is None:
+        return set()
+    if not isinstance(ignored, set | frozenset | list | tuple):
+        raise TypeError(f"ignored_params must be a set of parameters, got {type(ignored)}")
+    return set(ignored)
+
+
+# -- collecting parameters ---------------------------------------------------------------------
+
+
+class _Found:
+    """The parameters one call takes, in module order, with every place each is registered."""
+
+    def __init__(self) -> None:
+        self.names: dict[nn.Parameter, str] = {}
+        self.locations: dict[nn.Parameter, list[Location]] = {}
+
+
+def _collect_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]) -> _Found:
+    found = _Found()
+    taken: dict[nn.Parameter, str] = {}  # managed by nested groups -> their owner's class
+    for mod in modules:
+        for sub in mod.modules():
+            state = getattr(sub, _STATE, None)
+            if isinstance(state, FSDPState) and state.group is not None:
+                for original in state.group.originals:
+                    taken[original] = type(sub).__name__
+    for index, mod in enumerate(modules):
+        prefix = f"{index}." if len(modules) > 1 else ""
+        for sub_name, sub in _modules_outside_groups(mod):
+            for attr, param in list(sub._parameters.items()):
+                if param is None or param in ignored:
+                    continue
+                fqn = prefix + (f"{sub_name}.{attr}" if sub_name else attr)
+                if param in taken:
+                    raise ValueError(
+                        f"parameter {fqn!r} is shared with a group already sharded by "
+                        f"fully_shard on a {taken[param]}; a parameter may belong to one "
+                        f"group only: call fully_shard on a module that holds every use"
+                    )
+                _check_param(fqn, param)
+                if param not in found.names:
+                    found.names[param] = fqn
+                    found.locations[param] = []
+                found.locations[param].append((sub, attr))
+    return found
+
+
+def _modules_outside_groups(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Submodules (with their names) that no nested fully_shard call owns."""
+    out: list[tuple[str, nn.Module]] = []
+
+    def walk(name: str, module: nn.Module) -> None:
+        out.append((name, module))
+        for child_name, child in module.named_children():
+            if isinstance(child, FSDPModule):
+                continue
+            walk(f"{name}.{child_name}" if name else child_name, child)
+
+    walk("", root)
+    return out
+
+
+def _check_param(fqn: str, param: nn.Parameter) -> None:
+    if param.dim() == 0:
+        raise ValueError(
+            f"parameter {fqn!r} is a scalar (0-d); fully_shard shards tensors with at least "
+            f"one dim: make it shape (1,)"
+        )
+    if not param.is_contiguous():
+        raise ValueError(
+            f"parameter {fqn!r} is not contiguous (shape {tuple(param.shape)}, stride "
+            f"{param.stride()}); make it contiguous before fully_shard"
+        )
+    if type(param.data) is not torch.Tensor:
+        raise TypeError(
+            f"parameter {fqn!r} is a {type(param.data).__name__}; fully_shard takes plain "
+            f"tensors (apply it before tensor parallelism or other DTensor wrapping)"
+        )
+
+
+def _check_placements(
+    found: _Found, shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None
+) -> None:
+    if shard_placement_fn is None:
+        return
+    if not callable(shard_placement_fn):
+        raise TypeError(f"shard_placement_fn must be callable, got {shard_placement_fn!r}")
+    for param, fqn in found.names.items():
+        placement: object = shard_placement_fn(param)  # user code: check what came back
+        if placement is None or (isinstance(placement, Shard) and placement.dim == 0):
+            continue
+        raise ValueError(
+            f"shard_placement_fn returned {placement!r} for {fqn!r}; fsdp_engine shards "
+            f"every parameter over its rows with RaggedShard and supports only None or "
+            f"Shard(0) (use block_rows to keep blocks of rows together)"
+        )
+
+
+def _resolve_block_rows(block_rows: BlockRowsArg, found: _Found) -> dict[str, int]:
+    names = {fqn: param for param, fqn in found.names.items()}
+    if block_rows is None:
+        return dict.fromkeys(names, 1)
+    if isinstance(block_rows, Mapping):
+        unknown = sorted(set(block_rows) - set(names))
+        if unknown:
+            shown = ", ".join(sorted(names)[:8])
+            raise ValueError(
+                f"block_rows names {unknown}, which are not parameters of this group; "
+                f"valid: {shown}"
+            )
+        rows = {fqn: block_rows.get(fqn, 1) for fqn in names}
+    elif isinstance(block_rows, int) and not isinstance(block_rows, bool):
+        rows = dict.fromkeys(names, block_rows)
+    elif callable(block_rows):
+        rows = {fqn: block_rows(fqn, param) for fqn, param in names.items()}
+    else:
+        raise TypeError(
+            f"block_rows must be an int, a mapping of FQN to int, or a function of (fqn, "
+            f"param); got {type(block_rows).__name__}"
+        )
+    for fqn, given in rows.items():
+        value: object = given  # user code: check what came back
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"block_rows for {fqn!r} must be an int >= 1, got {value!r}")
+    return rows
+
+
+# -- building the group ------------------------------------------------------------------------
+
+
+def _build_group(
+    found: _Found,
+    rows: dict[str, int],
+    mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy,
+    label: str,
+) -> ParamGroup | None:
+    if not found.names:
+        return None
+    device = _target_device(found, mesh)
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    for param in found.names:
+        by_dtype.setdefault(param.dtype, []).append(param)
+    axes: dict[str, Any] = {"shard_dim": mesh.ndim - 1}
+    if mesh.ndim == 2:
+        axes["replicate_dim"] = 0
+    buffers: dict[nn.Parameter, DBuffer] = {}
+    for params in by_dtype.values():
+        tensors = [(found.names[p], p.detach().to(device)) for p in params]
+        buffer = DBuffer(tensors, mesh, block_rows={n: rows[n] for n, _ in tensors}, **axes)
+        buffers.update(dict.fromkeys(params, buffer))
+    managed = []
+    for param, name in found.names.items():
+        buffer = buffers[param]
+        sharded = nn.Parameter(buffer.sharded(name), requires_grad=param.requires_grad)
+        managed.append(ManagedParam(name, found.locations[param], buffer, sharded))
+    group = ParamGroup(managed, mesh, mp_policy, label)
+    group.originals.update(found.names)
+    group.reshard()  # registers the sharded parameters
+    return group
+
+
+def _target_device(found: _Found, mesh: DeviceMesh) -> torch.device:
+    devices = {p.device for p in found.names}
+    if len(devices) > 1:
+        by_device = {
+            str(d): found.names[next(p for p in found.names if p.device == d)] for d in devices
+        }
+        raise ValueError(
+            f"fully_shard needs the group's parameters on one device; found {by_device} "
+            f"(device: first parameter on it)"
+        )
+    (device,) = devices
+    if device.type == "meta":
+        return device
+    if mesh.device_type == "cuda" and device.type == "cpu":
+        return torch.device("cuda", torch.cuda.current_device())
+    if device.type != mesh.device_type:
+        raise ValueError(
+            f"parameters are on {device} but the mesh is on {mesh.device_type}; move the "
+            f"module to the mesh's device type first"
+        )
+    return device
+
+
+def _install(module: nn.Module, state: FSDPState) -> None:
+    cls = type(module)
+    fsdp_cls = _CLASS_CACHE.get(cls)
+    if fsdp_cls is None:
+        fsdp_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+        _CLASS_CACHE[cls] = fsdp_cls
+    module.__class__ = fsdp_cls
+    setattr(module, _STATE, state)
+
+    def pre_forward(
+        mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return state.pre_forward(mod, args, kwargs)
+
+    def post_forward(mod: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        return state.post_forward(mod, output)
+
+    module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
+    module.register_forward_hook(post_forward, prepend=False)
+    # state_dict() and load_state_dict() see (and load into) the sharded parameters.
+    module.register_state_dict_pre_hook(lambda *_: _reshard(state))  # type: ignore[no-untyped-call]
+    module.register_load_state_dict_pre_hook(lambda *_: _reshard(state))  # type: ignore[no-untyped-call]
+
+
+def _reshard(state: FSDPState) -> None:
+    if state.group is not None:
+        state.group.reshard()
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Makes `module.method_name(...)` gather and free parameters as `forward` does.
+
+    Args:
+        module: An FSDPModule.
+        method_name: The name of a method other than `forward` (e.g. "generate").
+
+    Example:
+        >>> register_fsdp_forward_method(model, "generate")  # doctest: +SKIP
+    """
+    state = state_of(module)
+    method = getattr(module, method_name, None)
+    if not callable(method):
+        raise ValueError(f"{type(module).__name__} has no method {method_name!r}")
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = state.pre_forward(module, args, kwargs)
+        return state.post_forward(module, method(*args, **kwargs))
+
+    setattr(module, method_name, wrapped)

@@ -1,0 +1,281 @@
+"""ParamGroup: the parameters of one `fully_shard` call, held in one DBuffer per dtype.
+
+Between iterations each parameter is registered on its module(s) as an `nn.Parameter` whose
+data is a RaggedShard DTensor over a view of its DBuffer's `local` (the optimizer steps them in
+place, so the next all-gather sends the new values without a copy). `unshard()` gathers the
+DBuffers and registers, in the same places, plain `nn.Parameter`s over the DBuffers' persistent
+full views: the same objects every step, whose memory comes and goes underneath.
+
+Gradients: after backward each unsharded parameter's gradient is added into its DBuffer's full
+gradient buffer (one copy, or one add when accumulating micro-batches), the DBuffer
+reduce-scatters the whole buffer into `local_grad`, and each sharded parameter's `.grad` is a
+RaggedShard DTensor view of `local_grad`, accumulated across iterations until the user zeroes it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
+from torch.profiler import record_function
+
+from dbuffer import DBuffer, Handle
+from fsdp_engine._compat import rebind_local
+
+Location = tuple[nn.Module, str]
+
+
+@dataclass(eq=False)
+class ManagedParam:
+    """One parameter of a group: where it is registered and its sharded / unsharded forms."""
+
+    name: str  # its name in the DBuffer: the FQN relative to the fully_shard module
+    locations: list[Location]  # every (module, attribute) it is registered under (tied weights)
+    buffer: DBuffer
+    sharded: nn.Parameter  # data: a RaggedShard DTensor over a view of buffer.local
+    unsharded: nn.Parameter | None = None  # made at the first unshard, then kept
+    compute_dtype: torch.dtype | None = None  # the unshard dtype (mixed precision) or None
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.sharded.requires_grad
+
+    def register(self, tensor: nn.Parameter) -> None:
+        for module, attr in self.locations:
+            module._parameters[attr] = tensor
+
+
+@dataclass
+class ReduceSettings:
+    """How a group reduces its gradients (the FSDPModule setters write these)."""
+
+    requires_gradient_sync: bool = True
+    requires_all_reduce: bool = True
+    divide_factor: float | None = None
+    force_sum_reduction: bool = False
+    reduce_scatter_unused_params: bool = False
+    all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+
+
+@dataclass(eq=False)
+class _PendingReduce:
+    handles: list[tuple[DBuffer, Handle]]
+    saved: dict[DBuffer, torch.Tensor]  # local_grad before the reduce, to add back
+    done: bool = False
+
+
+@dataclass(eq=False)
+class ParamGroup:
+    """The parameters of one `fully_shard` call (see the module docstring).
+
+    Args:
+        params: The group's parameters, each with its DBuffer already built.
+        mesh: The group's mesh (1-D, or 2-D (replicate, shard) for HSDP).
+        mp_policy: The mixed-precision policy.
+        label: A name for profiler ranges and errors (the module's class name).
+    """
+
+    params: list[ManagedParam]
+    mesh: DeviceMesh
+    mp_policy: MixedPrecisionPolicy
+    label: str
+    settings: ReduceSettings = field(default_factory=ReduceSettings)
+    is_unsharded: bool = False
+    _unshard_handles: list[Handle] = field(default_factory=list)
+    _pending_reduce: _PendingReduce | None = None
+    _received: set[ManagedParam] = field(default_factory=set)  # got a gradient since the reduce
+    _reduce_op: str = "avg"
+    # The parameters as given to fully_shard (weakly): a later call that meets one of them
+    # (a weight tied across groups) raises instead of sharding it twice.
+    originals: weakref.WeakSet[nn.Parameter] = field(default_factory=weakref.WeakSet)
+
+    @property
+    def buffers(self) -> list[DBuffer]:
+        return list(dict.fromkeys(p.buffer for p in self.params))
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.mesh.size()
+
+    # -- unshard / reshard --------------------------------------------------------------------
+
+    def _compute_dtype(self, buffer: DBuffer) -> torch.dtype | None:
+        dtype = self.mp_policy.param_dtype
+        if dtype is None or not buffer.dtype.is_floating_point or dtype == buffer.dtype:
+            return None
+        return dtype
+
+    def unshard(self, *, async_op: bool = False) -> list[Handle]:
+        """Gathers every DBuffer (a no-op while unsharded); returns the handles to wait on."""
+        if self.is_unsharded:
+            return self._unshard_handles
+        with record_function(f"FSDP::unshard({self.label})"):
+            self._unshard_handles = [
+                buffer.unshard(dtype=self._compute_dtype(buffer), async_op=async_op)
+                for buffer in self.buffers
+            ]
+        self.is_unsharded = True
+        return self._unshard_handles
+
+    def wait_for_unshard(self) -> None:
+        """Waits for the gathers and registers the unsharded parameters."""
+        for handle in self._unshard_handles:
+            handle.wait()
+        self._unshard_handles = []
+        for param in self.params:
+            if param.unsharded is None:
+                dtype = self._compute_dtype(param.buffer)
+                full = param.buffer.full(param.name, dtype=dtype)
+                param.unsharded = nn.Parameter(full, requires_grad=param.requires_grad)
+                param.compute_dtype = dtype
+            param.register(param.unsharded)
+
+    def reshard(self) -> None:
+        """Frees the gathered memory and registers the sharded parameters again."""
+        if self.is_unsharded:
+            for buffer in self.buffers:
+                buffer.reshard()
+            self._unshard_handles = []
+            self.is_unsharded = False
+        for param in self.params:
+            param.register(param.sharded)
+
+    # -- gradients ----------------------------------------------------------------------------
+
+    def collect_gradients(self) -> None:
+        """Moves each unsharded parameter's gradient into its DBuffer's full gradient buffer."""
+        for param in self.params:
+            unsharded = param.unsharded
+            if unsharded is None or unsharded.grad is None:
+                continue
+            param.buffer.accumulate_grad(param.name, unsharded.grad)
+            unsharded.grad = None
+            self._received.add(param)
+
+    def reduce(self, *, async_op: bool) -> None:
+        """Reduce-scatters every DBuffer's gradients (the sharded `.grad`s are set later).
+
+        Sharded gradients that the user has not zeroed (`.grad` not None) are kept and the
+        new ones added to them: `local_grad` is saved, the reduce overwrites it, and the
+        saved part is added back once the reduce is done.
+        """
+        for buffer in self.buffers:
+            if not any(p.buffer is buffer for p in self._received):
+                # No gradient reached this buffer on this rank; it still takes part in the
+                # collective (other ranks may have some), with zeros.
+                buffer.full_grad(buffer.names[0])
+        saved: dict[DBuffer, torch.Tensor] = {}
+        for buffer in self.buffers:
+            members = [p for p in self.params if p.buffer is buffer and p.requires_grad]
+            kept = [p for p in members if p.sharded.grad is not None]
+            if kept:
+                old = buffer.local_grad.clone()
+                for param in members:
+                    if param.sharded.grad is None:
+                        buffer.sharded_grad(param.name).to_local().zero_()
+                saved[buffer] = old
+        settings = self.settings
+        factor = settings.divide_factor
+        if factor is None and settings.force_sum_reduction:
+            factor = float(self.data_parallel_size)
+        # With a factor: gradients divided once by it, then summed over both mesh axes.
+        self._reduce_op = "avg" if factor is None else "sum"
+        handles = []
+        with record_function(f"FSDP::reduce_scatter({self.label})"):
+            for buffer in self.buffers:
+                reduce_dtype = self.mp_policy.reduce_dtype or self._compute_dtype(buffer)
+                handles.append(
+                    (
+                        buffer,
+                        buffer.reduce_scatter(
+                            op="sum" if factor is not None else "avg",
+                            divide_factor=factor,
+                            reduce_dtype=reduce_dtype,
+                            async_op=async_op,
+                        ),
+                    )
+                )
+        self._pending_reduce = _PendingReduce(handles, saved)
+
+    def wait_for_reduce(self) -> None:
+        """Waits for the reduce-scatter and finishes the group's reduction.
+
+        Then all-reduces over the replicate axis (HSDP), runs the all-reduce hook and adds
+        back the gradients the user kept.
+        """
+        pending = self._pending_reduce
+        if pending is None or pending.done:
+            return
+        for buffer, handle in pending.handles:
+            handle.wait()
+            if self.settings.requires_all_reduce and buffer.replicate_dim is not None:
+                buffer.all_reduce(op="sum" if self._reduce_op == "sum" else "avg").wait()
+            if self.settings.all_reduce_hook is not None:
+                self.settings.all_reduce_hook(buffer.local_grad)
+            old = pending.saved.get(buffer)
+            if old is not None:
+                buffer.local_grad.add_(old)
+        pending.done = True
+
+    @property
+    def has_reduce(self) -> bool:
+        """Whether a reduce was issued whose gradients are not handed out yet."""
+        return self._pending_reduce is not None
+
+    def received_mask(self) -> torch.Tensor:
+        """1 for each trainable parameter that got a gradient on this rank since the reduce."""
+        trainable = [p for p in self.params if p.requires_grad]
+        device = self.params[0].buffer.device
+        return torch.tensor([p in self._received for p in trainable], device=device)
+
+    def assign_gradients(self, used_anywhere: torch.Tensor) -> None:
+        """Points each trainable sharded parameter's `.grad` at its reduced gradient.
+
+        Args:
+            used_anywhere: Per trainable parameter, whether any rank produced a gradient for
+                it. Parameters no rank used keep `.grad` as it was (None after zero_grad),
+                as in single-process training, unless unused parameters are reduced too.
+        """
+        trainable = [p for p in self.params if p.requires_grad]
+        for param, used in zip(trainable, used_anywhere.tolist(), strict=True):
+            if not used and not self.settings.reduce_scatter_unused_params:
+                continue
+            reduced = param.buffer.sharded_grad(param.name)
+            current = param.sharded.grad
+            if current is None:
+                param.sharded.grad = reduced
+            elif current is not reduced:  # a gradient the user set: accumulate into it
+                current.add_(reduced)
+        self._received.clear()
+        self._pending_reduce = None
+
+
+def all_reduce_masks(masks: list[torch.Tensor], mesh: DeviceMesh) -> list[torch.Tensor]:
+    """ORs per-parameter masks over every rank of `mesh` in one small collective per axis."""
+    if not masks:
+        return []
+    flat = torch.cat(masks).to(torch.int32)
+    for axis in range(mesh.ndim):
+        if mesh.size(axis) > 1:
+            dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=mesh.get_group(axis))
+    sizes = [m.numel() for m in masks]
+    return list(torch.split(flat, sizes))
+
+
+def move_storage(group: ParamGroup, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Applies `fn` (a device / dtype conversion) to every DBuffer and rebinds the params."""
+    group.reshard()
+    for buffer in group.buffers:
+        buffer.apply_(fn)
+    for param in group.params:
+        new: DTensor = param.buffer.sharded(param.name)
+        rebind_local(param.sharded, new)  # type: ignore[arg-type]
+        param.sharded.grad = None
+        param.unsharded = None  # made again over the new full views at the next unshard

@@ -1,0 +1,341 @@
+"""FSDPModule: the mixin `fully_shard` swaps into a module's class, with FSDP2's methods.
+
+Every method of torch's `FSDPModule` exists here with the same name, arguments and recurse
+semantics; each one works or raises NotImplementedError naming the reason (the README's
+parity table lists them). The state lives in `module._fsdp_engine_state` (`_state.py`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp_engine._group import move_storage
+from fsdp_engine._state import FSDPState, finish_reduces
+
+_STATE = "_fsdp_engine_state"
+
+
+class UnshardHandle:
+    """A pending `unshard(async_op=True)`; `wait()` makes the gathered parameters usable.
+
+    Example:
+        >>> handle = model.layers[0].unshard(async_op=True)  # doctest: +SKIP
+        >>> handle.wait()  # doctest: +SKIP
+    """
+
+    def __init__(self, state: FSDPState) -> None:
+        self._state: FSDPState | None = state
+
+    def wait(self) -> None:
+        """Waits for the all-gather and registers the unsharded parameters (idempotent)."""
+        state, self._state = self._state, None
+        if state is not None and state.group is not None and state.group.is_unsharded:
+            state.group.wait_for_unshard()
+
+
+def state_of(module: nn.Module) -> FSDPState:
+    state = getattr(module, _STATE, None)
+    if not isinstance(state, FSDPState):
+        raise ValueError(
+            f"{type(module).__name__} is not an fsdp_engine FSDPModule: call "
+            f"fsdp_engine.fully_shard on it first"
+        )
+    return state
+
+
+def _states(module: nn.Module, recurse: bool) -> list[FSDPState]:
+    if not recurse:
+        return [state_of(module)]
+    found: list[FSDPState] = []
+    for sub in module.modules():
+        state = getattr(sub, _STATE, None)
+        if isinstance(state, FSDPState) and state not in found:
+            found.append(state)
+    return found
+
+
+def _check_bool(what: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{what} must be a bool, got {value!r}")
+    return value
+
+
+def _not_supported(method: str, reason: str) -> NotImplementedError:
+    return NotImplementedError(f"fsdp_engine does not support {method}: {reason}")
+
+
+class FSDPModule:
+    """Mixin of every module `fully_shard` was applied to (its class becomes FSDP<Name>).
+
+    Example:
+        >>> model = fully_shard(model)  # doctest: +SKIP
+        >>> model.set_requires_gradient_sync(False)  # doctest: +SKIP
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # Containers that build a new instance of their own class (ModuleList slicing) get
+        # the original class, not an FSDP module without state.
+        orig: Any = cls.__mro__[2]
+        self = orig.__new__(orig)
+        self.__init__(*args, **kwargs)
+        return self
+
+    # -- unshard / reshard --------------------------------------------------------------------
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """Gathers this module's group (not recursive); follows `param_dtype`.
+
+        Args:
+            async_op: Return a handle at once; `wait()` it before using the parameters.
+
+        Returns:
+            An UnshardHandle if `async_op`, else None (the parameters are unsharded).
+
+        Example:
+            >>> model.unshard()  # doctest: +SKIP
+        """
+        state = state_of(self)  # type: ignore[arg-type]
+        _check_bool("async_op", async_op)
+        handle = UnshardHandle(state)
+        if state.group is not None:
+            state.group.unshard(async_op=async_op)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Frees this module's gathered parameters (not recursive)."""
+        state = state_of(self)  # type: ignore[arg-type]
+        if state.group is not None:
+            state.group.reshard()
+
+    def reset_iter_state(self) -> None:
+        """Forgets the iteration in progress (after an exception mid-iteration); root only."""
+        state = state_of(self)  # type: ignore[arg-type]
+        if state.context is not None:
+            state.context.reset()
+
+    # -- gradient synchronization -------------------------------------------------------------
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backward waits for its reduce-scatters and sets the `.grad`s."""
+        state = state_of(self)  # type: ignore[arg-type]
+        value = _check_bool("is_last_backward", is_last_backward)
+        state.lazy_init()
+        assert state.context is not None
+        state.context.is_last_backward = value
+
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
+        """False: keep accumulating unsharded gradients, reduce at the next synced backward.
+
+        Example:
+            >>> model.set_requires_gradient_sync(False)  # doctest: +SKIP
+        """
+        value = _check_bool("requires_gradient_sync", requires_gradient_sync)
+        for state in _states(self, recurse):  # type: ignore[arg-type]
+            if state.group is not None:
+                state.group.settings.requires_gradient_sync = value
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: False reduce-scatters but skips the all-reduce over the replicate axis."""
+        value = _check_bool("requires_all_reduce", requires_all_reduce)
+        for state in _states(self, recurse):  # type: ignore[arg-type]
+            if state.group is not None:
+                state.group.settings.requires_all_reduce = value
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Gradients are summed over ranks and divided by `factor` (not recursive)."""
+        value: object = factor
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise ValueError(f"gradient divide factor must be a number > 0, got {factor!r}")
+        state = state_of(self)  # type: ignore[arg-type]
+        if state.group is not None:
+            state.group.settings.divide_factor = float(value)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated alias of `set_gradient_divide_factor`."""
+        warnings.warn(
+            "set_reduce_scatter_divide_factor is deprecated; use set_gradient_divide_factor",
+            FutureWarning,
+            stacklevel=2,
+        )
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Reduce with SUM and one division by the data-parallel size (not recursive)."""
+        value = _check_bool("enable", enable)
+        state = state_of(self)  # type: ignore[arg-type]
+        if state.group is not None:
+            state.group.settings.force_sum_reduction = value
+
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
+        """True: parameters no rank used get a zero sharded gradient instead of None."""
+        value = _check_bool("reduce_scatter_unused_params", reduce_scatter_unused_params)
+        for state in _states(self, recurse):  # type: ignore[arg-type]
+            if state.group is not None:
+                state.group.settings.reduce_scatter_unused_params = value
+
+    def set_all_reduce_hook(
+        self, hook: Callable[[torch.Tensor], None], *, stream: Any = None
+    ) -> None:
+        """Runs `hook(local_grad)` on each reduced flat gradient shard.
+
+        It runs after the HSDP all-reduce and before the sharded `.grad`s are handed out, on
+        the current stream; `stream` is accepted for FSDP2 compatibility.
+        """
+        if not callable(hook):
+            raise TypeError(f"hook must be callable, got {hook!r}")
+        for state in _states(self, recurse=True):  # type: ignore[arg-type]
+            if state.group is not None:
+                state.group.settings.all_reduce_hook = hook
+
+    def set_reduce_scatter_max_input_buffers(
+        self, max_input_buffers: int, *, recurse: bool = True
+    ) -> None:
+        """Sets how many reduce-scatters may be in flight at once during backward.
+
+        Each holds its group's full gradient buffer until it is done (default 1).
+        """
+        value: object = max_input_buffers
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"max_input_buffers must be an int >= 1, got {max_input_buffers!r}")
+        state = state_of(self)  # type: ignore[arg-type]
+        state.lazy_init()
+        assert state.context is not None
+        state.context.max_reduces_in_flight = value
+
+    # -- schedule -----------------------------------------------------------------------------
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Whether to free the gathered parameters after forward (bool only)."""
+        value = _check_bool("reshard_after_forward", reshard_after_forward)
+        for state in _states(self, recurse):  # type: ignore[arg-type]
+            state.reshard_after_forward = value
+
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
+        """Whether to free the gathered parameters after backward."""
+        value = _check_bool("reshard_after_backward", reshard_after_backward)
+        for state in _states(self, recurse):  # type: ignore[arg-type]
+            state.reshard_after_backward = value
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """False skips the all-gather in backward.
+
+        For modules whose backward does not read their parameters, e.g. an embedding.
+        """
+        state_of(self).unshard_in_backward = _check_bool(  # type: ignore[arg-type]
+            "unshard_in_backward", unshard_in_backward
+        )
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """Gather these modules' groups asynchronously when this module's forward starts."""
+        state_of(self).forward_prefetch = _prefetch_states(modules)  # type: ignore[arg-type]
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """Gather these modules' groups asynchronously when this module's backward starts."""
+        state_of(self).backward_prefetch = _prefetch_states(modules)  # type: ignore[arg-type]
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """The root's next forward waits for `event` (CUDA) instead of the current stream."""
+        state = state_of(self)  # type: ignore[arg-type]
+        if not hasattr(event, "wait") and not hasattr(event, "query"):
+            raise TypeError(f"event must be a torch.Event or torch.cuda.Event, got {event!r}")
+        state.lazy_init()
+        assert state.context is not None
+        state.context.post_optim_event = event
+
+    # -- not supported ------------------------------------------------------------------------
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """Not supported: DBuffer all-gathers straight into its own persistent buffer."""
+        raise _not_supported(
+            "set_custom_all_gather",
+            "the all-gather writes in place into the group's DBuffer, whose parameters are "
+            "views of it; a custom comm that allocates its own output cannot be zero-copy",
+        )
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """Not supported: DBuffer reduce-scatters its own gradient buffer."""
+        raise _not_supported(
+            "set_custom_reduce_scatter",
+            "the reduce-scatter reads the group's DBuffer gradient buffer in place",
+        )
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Not supported: DBuffer allocates its buffers with the tensor allocator."""
+        raise _not_supported(
+            "set_allocate_memory_from_process_group_for_comm",
+            "DBuffer allocates its communication buffers itself (one per group and dtype)",
+        )
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """Not supported: needs symmetric-memory staging buffers, which DBuffer does not use."""
+        raise _not_supported(
+            "set_symm_mem_for_comm",
+            "symmetric memory needs staging buffers from a symmetric allocator; DBuffer "
+            "gathers in place into ordinary device memory (and CPU has no symmetric memory)",
+        )
+
+    def set_separate_reduce_scatter_group(
+        self, enable: bool = True, *, recurse: bool = True
+    ) -> None:
+        """Not supported: DBuffer reduce-scatters on the mesh's own process group."""
+        raise _not_supported(
+            "set_separate_reduce_scatter_group",
+            "DBuffer runs its collectives on the mesh's process groups",
+        )
+
+    # -- nn.Module integration ----------------------------------------------------------------
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        # `.to()`, `.cuda()`, `to_empty()`, `.double()`: the group's parameters are views of
+        # its DBuffers, so convert the DBuffers (one tensor each) and rebind the parameters;
+        # everything else goes through nn.Module._apply.
+        state = getattr(self, _STATE, None)
+        group = state.group if isinstance(state, FSDPState) else None
+        if group is None:
+            return super()._apply(fn, recurse)  # type: ignore[misc]
+        group.reshard()
+        saved = [(p, module, attr) for p in group.params for module, attr in p.locations]
+        for _, module, attr in saved:
+            del module._parameters[attr]
+        try:
+            result = super()._apply(fn, recurse)  # type: ignore[misc]
+        finally:
+            for param, module, attr in saved:
+                module._parameters[attr] = param.sharded
+        move_storage(group, fn)
+        return result
+
+
+def _prefetch_states(modules: object) -> list[FSDPState]:
+    if not isinstance(modules, Iterable) or isinstance(modules, nn.Module):
+        raise TypeError(f"modules must be a list of FSDPModules, got {type(modules).__name__}")
+    states = []
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ValueError(
+                f"prefetch targets must be FSDPModules (fully_shard them first); got "
+                f"{type(module).__name__}"
+            )
+        states.append(state_of(module))  # type: ignore[arg-type]
+    return states
+
+
+def finish_backward(module: nn.Module) -> None:
+    """Waits for the reduces of `module`'s root context and sets the sharded `.grad`s."""
+    state = state_of(module)
+    if state.context is not None:
+        finish_reduces(state.context)

@@ -1,0 +1,311 @@
+"""FSDPState: what one `fully_shard` call adds to its module(s), and the hooks that drive it.
+
+The schedule, per iteration (FSDP2's, on DBuffers):
+- pre-forward: the first module to run forward becomes the root and initializes the shared
+  `Context` (its subtree's states in order); every state gathers its group (waiting for a
+  prefetch if one was issued), issues the next group's gather asynchronously, casts the inputs
+  (mixed precision) and, when autograd records, routes the inputs' gradients through
+  `_PostBackward` so it learns when its module's backward is done;
+- post-forward: reshards unless it is the root (or told otherwise) and hooks the outputs so
+  that the first gradient reaching them gathers the group again for backward (and prefetches
+  the group that runs backward next);
+- post-backward: gradients go into the DBuffers, the group reshards, and its reduce-scatter
+  starts asynchronously (at most `max_reduces_in_flight` at once);
+- end of backward (a callback queued on the autograd engine): groups no hook reached are
+  reduced too, every reduce is waited for, and the sharded `.grad`s are handed out.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.profiler import record_function
+
+from fsdp_engine._compat import queue_backward_callback
+from fsdp_engine._group import ParamGroup, all_reduce_masks
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+@dataclass(eq=False)
+class Context:
+    """State shared by every FSDP state under one root."""
+
+    states: list[FSDPState]
+    forward_order: list[FSDPState] = field(default_factory=list)
+    order_frozen: bool = False
+    callback_queued: bool = False
+    is_last_backward: bool = True
+    max_reduces_in_flight: int = 1
+    reducing: list[FSDPState] = field(default_factory=list)
+    post_optim_event: Any = None
+
+    def reset(self) -> None:
+        self.callback_queued = False
+        self.reducing = []
+        for state in self.states:
+            state.reset()
+
+
+@dataclass(eq=False)
+class FSDPState:
+    """The per-call state: its modules, its group and its schedule settings."""
+
+    modules: tuple[nn.Module, ...]
+    group: ParamGroup | None  # None when every parameter was taken by nested calls
+    reshard_after_forward: bool | None
+    mp_policy: MixedPrecisionPolicy
+    reshard_after_backward: bool = True
+    unshard_in_backward: bool = True
+    forward_prefetch: list[FSDPState] | None = None
+    backward_prefetch: list[FSDPState] | None = None
+    context: Context | None = None
+    is_root: bool = False
+    phase: Phase = Phase.IDLE
+    _forward_ran: bool = False  # with autograd recording, in this iteration
+    _modules_done: set[int] = field(default_factory=set)
+    _pre_backward_done: bool = False
+    _post_backward_done: bool = False
+
+    def reset(self) -> None:
+        self.phase = Phase.IDLE
+        self._forward_ran = False
+        self._modules_done = set()
+        self._pre_backward_done = False
+        self._post_backward_done = False
+
+    # -- lazy initialization ------------------------------------------------------------------
+
+    def lazy_init(self) -> None:
+        """Makes this state the root of every FSDP state in its modules' subtrees."""
+        if self.context is not None:
+            return
+        states: list[FSDPState] = []
+        for module in self.modules:
+            for sub in module.modules():
+                state = getattr(sub, "_fsdp_engine_state", None)
+                if isinstance(state, FSDPState) and state not in states:
+                    states.append(state)
+        for state in states:
+            if state.context is not None:
+                raise RuntimeError(
+                    "fully_shard: this module's subtree holds an FSDP module that already ran "
+                    "under another root; run forward on one root module"
+                )
+        context = Context(states)
+        for state in states:
+            state.context = context
+            state.is_root = state is self
+            if state.reshard_after_forward is None:
+                state.reshard_after_forward = not state.is_root
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def pre_forward(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        self.lazy_init()
+        context = self.context
+        assert context is not None
+        if self.is_root and context.post_optim_event is not None:
+            torch.cuda.current_stream().wait_event(context.post_optim_event)
+            context.post_optim_event = None
+        if self.phase is not Phase.FORWARD:  # the first module of this group to run
+            self.phase = Phase.FORWARD
+            if torch.is_grad_enabled():
+                self._forward_ran = True
+            if not context.order_frozen and self.group is not None:
+                context.forward_order.append(self)
+            if self.group is not None:
+                with record_function(f"FSDP::pre_forward({self.group.label})"):
+                    self.group.unshard()
+                    self.group.wait_for_unshard()
+                self._prefetch(self._forward_targets(), "forward")
+        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
+            dtype = self.mp_policy.param_dtype
+            args, kwargs = _cast_floats((args, kwargs), dtype)
+        if torch.is_grad_enabled() and self.group is not None:
+            args, kwargs = _PostBackward.route(self, args, kwargs)
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, output: Any) -> Any:
+        self._modules_done.add(id(module))
+        if len(self._modules_done) < len(self.modules):
+            return output  # a list group reshards after its last module
+        self._modules_done = set()
+        self.phase = Phase.IDLE
+        if self.group is not None and self.reshard_after_forward:
+            with record_function(f"FSDP::post_forward({self.group.label})"):
+                self.group.reshard()
+        if torch.is_grad_enabled() and self.group is not None:
+            output = _hook_outputs(output, self._pre_backward)
+        if self.mp_policy.output_dtype is not None:
+            output = _cast_floats(output, self.mp_policy.output_dtype)
+        return output
+
+    def _forward_targets(self) -> list[FSDPState]:
+        if self.forward_prefetch is not None:
+            return self.forward_prefetch
+        context = self.context
+        if context is None or not context.order_frozen:
+            return []
+        order = context.forward_order
+        index = order.index(self) if self in order else -1
+        return order[index + 1 : index + 2] if index >= 0 else []
+
+    def _backward_targets(self) -> list[FSDPState]:
+        if self.backward_prefetch is not None:
+            return self.backward_prefetch
+        context = self.context
+        if context is None or not context.order_frozen:
+            return []
+        order = context.forward_order
+        index = order.index(self) if self in order else 0
+        return order[index - 1 : index] if index > 0 else []
+
+    @staticmethod
+    def _prefetch(targets: Sequence[FSDPState], when: str) -> None:
+        for target in targets:
+            group = target.group
+            if group is None or group.is_unsharded:
+                continue
+            if when == "backward" and not target.unshard_in_backward:
+                continue
+            with record_function(f"FSDP::{when}_prefetch({group.label})"):
+                group.unshard(async_op=True)
+
+    # -- backward -----------------------------------------------------------------------------
+
+    def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        context = self.context
+        assert context is not None and self.group is not None
+        if not context.callback_queued:
+            context.callback_queued = True
+            queue_backward_callback(self._end_of_backward)
+        if self._pre_backward_done:
+            return grad
+        self._pre_backward_done = True
+        self.phase = Phase.BACKWARD
+        if self.unshard_in_backward:
+            with record_function(f"FSDP::pre_backward({self.group.label})"):
+                self.group.unshard()
+                self.group.wait_for_unshard()
+        self._prefetch(self._backward_targets(), "backward")
+        return grad
+
+    def post_backward(self) -> None:
+        """Collects the group's gradients, reshards, and starts its reduce-scatter."""
+        if self._post_backward_done or self.group is None:
+            return
+        self._post_backward_done = True
+        group, context = self.group, self.context
+        assert context is not None
+        with record_function(f"FSDP::post_backward({group.label})"):
+            group.collect_gradients()
+            if self.reshard_after_backward:
+                group.reshard()
+            if not group.settings.requires_gradient_sync:
+                return
+            while len(context.reducing) >= context.max_reduces_in_flight:
+                context.reducing.pop(0).group.wait_for_reduce()  # type: ignore[union-attr]
+            group.reduce(async_op=True)
+            context.reducing.append(self)
+
+    def _end_of_backward(self) -> None:
+        context = self.context
+        assert context is not None
+        with record_function("FSDP::end_of_backward"):
+            for state in context.states:
+                if state._forward_ran and not state._post_backward_done:
+                    state.post_backward()
+                elif state.group is not None and state.reshard_after_backward:
+                    state.group.reshard()  # e.g. prefetched but never run
+            context.order_frozen = True
+            if context.is_last_backward:
+                finish_reduces(context)
+            for state in context.states:
+                state.reset()
+            context.callback_queued = False
+
+
+def finish_reduces(context: Context) -> None:
+    """Waits for every pending reduce and hands out the sharded gradients."""
+    groups = [s.group for s in context.states if s.group is not None and s.group.has_reduce]
+    for group in groups:
+        group.wait_for_reduce()
+    context.reducing = []
+    by_mesh: dict[int, list[ParamGroup]] = {}
+    for group in groups:
+        by_mesh.setdefault(id(group.mesh), []).append(group)
+    for same_mesh in by_mesh.values():
+        masks = all_reduce_masks([g.received_mask() for g in same_mesh], same_mesh[0].mesh)
+        for group, used in zip(same_mesh, masks, strict=True):
+            group.assign_gradients(used)
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a module's inputs; its backward runs after the module's backward."""
+
+    @staticmethod
+    def forward(ctx: Any, state: FSDPState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.state = state
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.state.post_backward()
+        return (None, *grads)
+
+    @classmethod
+    def route(
+        cls, state: FSDPState, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        leaves: list[torch.Tensor] = []
+        _visit((args, kwargs), lambda t: leaves.append(t) if t.requires_grad else None)
+        if not leaves:
+            return args, kwargs
+        routed = iter(cls.apply(state, *leaves))  # type: ignore[no-untyped-call]
+        new_args, new_kwargs = _map_tensors(
+            (args, kwargs), lambda t: next(routed) if t.requires_grad else t
+        )
+        return new_args, new_kwargs
+
+
+def _hook_outputs(output: Any, hook: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    def register(t: torch.Tensor) -> torch.Tensor:
+        if t.requires_grad:
+            t.register_hook(hook)  # type: ignore[no-untyped-call]
+        return t
+
+    return _map_tensors(output, register)
+
+
+def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    return _map_tensors(tree, lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+
+def _visit(tree: Any, fn: Callable[[torch.Tensor], object]) -> None:
+    _map_tensors(tree, lambda t: (fn(t), t)[1])
+
+
+def _map_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """Applies `fn` to every tensor in nested tuples, lists and dicts (other leaves kept)."""
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # namedtuple
+        return type(tree)(*(_map_tensors(x, fn) for x in tree))
+    if isinstance(tree, list | tuple):
+        return type(tree)(_map_tensors(x, fn) for x in tree)
+    if isinstance(tree, dict):
+        return {k: _map_tensors(v, fn) for k, v in tree.items()}
+    return tree
