@@ -124,6 +124,8 @@ class Decoder(nn.Module):
 
 
 def loss_fn(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1)
-    )
+    """Next-token cross entropy, in fp32 at least."""
+    logits = logits[:, :-1].reshape(-1, logits.shape[-1])
+    if logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()
+    return F.cross_entropy(logits, tokens[:, 1:].reshape(-1))

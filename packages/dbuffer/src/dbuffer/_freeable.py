@@ -68,7 +68,7 @@ class FreeableBuffer:
             self.views = buffer_views(self._tensor, self._offsets, self._shapes, self._what)
             # A fresh tensor set to the same storage: one memory, its own version counter.
             self._writer = torch.empty(0, dtype=self._dtype, device=self._device)
-            self._writer.set_(self._tensor.untyped_storage(), 0, (self._numel,))
+            self._writer.set_(self._tensor.untyped_storage(), 0, (self._numel,), (1,))
             self._stream = current_stream(self._device)
         elif not self.allocated:
             self._tensor.untyped_storage().resize_(self._numel * self._dtype.itemsize)

@@ -3,10 +3,6 @@
 - `queue_backward_callback(fn)`: `Variable._execution_engine.queue_callback`, which runs `fn`
   once the current backward pass has finished (the engine's end-of-backward work: reduce the
   groups no hook reached, wait for the reduce-scatters, hand out the sharded gradients).
-- `rebind_local(param, new)`: points a DTensor parameter at a new local tensor after its
-  storage moved (`module.to(...)`, `to_empty(...)`), keeping the parameter object, as torch's
-  own `nn.Module._apply` cannot for DTensors (it sets `.data`, which leaves the DTensor's
-  `_local_tensor` and `_spec` behind).
 Tested on torch 2.13 and 2.14 (`nox -s tests`); other versions are refused at import.
 """
 
@@ -15,9 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch.distributed.tensor import DTensor
 
-__all__ = ["SUPPORTED_TORCH", "queue_backward_callback", "rebind_local"]
+__all__ = ["SUPPORTED_TORCH", "queue_backward_callback"]
 
 SUPPORTED_TORCH = ((2, 13), (2, 14))
 
@@ -34,13 +29,6 @@ def _check_torch_version() -> None:
 def queue_backward_callback(fn: Callable[[], None]) -> None:
     """Runs `fn` when the backward pass now running finishes (call it from inside backward)."""
     torch.autograd.Variable._execution_engine.queue_callback(fn)
-
-
-def rebind_local(param: DTensor, new: DTensor) -> None:
-    """Makes the DTensor `param` (an nn.Parameter) the DTensor `new`, keeping its identity."""
-    param.data = new
-    param._local_tensor = new._local_tensor
-    param._spec = new._spec
 
 
 _check_torch_version()

@@ -23,11 +23,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from dbuffer import DBuffer, Handle
-from fsdp_engine._compat import rebind_local
 
 Location = tuple[nn.Module, str]
 
@@ -229,13 +227,11 @@ class ParamGroup:
         """Whether a reduce was issued whose gradients are not handed out yet."""
         return self._pending_reduce is not None
 
-    def received_mask(self) -> torch.Tensor:
-        """1 for each trainable parameter that got a gradient on this rank since the reduce."""
-        trainable = [p for p in self.params if p.requires_grad]
-        device = self.params[0].buffer.device
-        return torch.tensor([p in self._received for p in trainable], device=device)
+    def received(self) -> list[bool]:
+        """Per trainable parameter: whether it got a gradient on this rank since the reduce."""
+        return [p in self._received for p in self.params if p.requires_grad]
 
-    def assign_gradients(self, used_anywhere: torch.Tensor) -> None:
+    def assign_gradients(self, used_anywhere: list[bool]) -> None:
         """Points each trainable sharded parameter's `.grad` at its reduced gradient.
 
         Args:
@@ -244,7 +240,7 @@ class ParamGroup:
                 as in single-process training, unless unused parameters are reduced too.
         """
         trainable = [p for p in self.params if p.requires_grad]
-        for param, used in zip(trainable, used_anywhere.tolist(), strict=True):
+        for param, used in zip(trainable, used_anywhere, strict=True):
             if not used and not self.settings.reduce_scatter_unused_params:
                 continue
             reduced = param.buffer.sharded_grad(param.name)
@@ -257,16 +253,22 @@ class ParamGroup:
         self._pending_reduce = None
 
 
-def all_reduce_masks(masks: list[torch.Tensor], mesh: DeviceMesh) -> list[torch.Tensor]:
-    """ORs per-parameter masks over every rank of `mesh` in one small collective per axis."""
-    if not masks:
-        return []
-    flat = torch.cat(masks).to(torch.int32)
+def used_anywhere(groups: list[ParamGroup]) -> list[list[bool]]:
+    """ORs each group's `received()` over every rank of the groups' (common) mesh.
+
+    One small all-reduce per mesh axis serves all the groups together.
+    """
+    flags = [group.received() for group in groups]
+    if not groups:
+        return flags
+    mesh = groups[0].mesh
+    device = groups[0].params[0].buffer.device
+    flat = torch.tensor([f for group in flags for f in group], dtype=torch.int32, device=device)
     for axis in range(mesh.ndim):
         if mesh.size(axis) > 1:
             dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=mesh.get_group(axis))
-    sizes = [m.numel() for m in masks]
-    return list(torch.split(flat, sizes))
+    values = iter(flat.tolist())
+    return [[bool(next(values)) for _ in group] for group in flags]
 
 
 def move_storage(group: ParamGroup, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -275,7 +277,9 @@ def move_storage(group: ParamGroup, fn: Callable[[torch.Tensor], torch.Tensor]) 
     for buffer in group.buffers:
         buffer.apply_(fn)
     for param in group.params:
-        new: DTensor = param.buffer.sharded(param.name)
-        rebind_local(param.sharded, new)  # type: ignore[arg-type]
         param.sharded.grad = None
+        new = nn.Parameter(param.buffer.sharded(param.name), requires_grad=param.requires_grad)
+        # The parameter object stays the same (an optimizer or a user may hold it); only
+        # its contents become the DTensor over the new storage.
+        torch.utils.swap_tensors(param.sharded, new)  # type: ignore[no-untyped-call]
         param.unsharded = None  # made again over the new full views at the next unshard

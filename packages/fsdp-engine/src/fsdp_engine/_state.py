@@ -28,7 +28,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.profiler import record_function
 
 from fsdp_engine._compat import queue_backward_callback
-from fsdp_engine._group import ParamGroup, all_reduce_masks
+from fsdp_engine._group import ParamGroup, used_anywhere
 
 
 class Phase(enum.Enum):
@@ -120,7 +120,8 @@ class FSDPState:
         if self.is_root and context.post_optim_event is not None:
             torch.cuda.current_stream().wait_event(context.post_optim_event)
             context.post_optim_event = None
-        if self.phase is not Phase.FORWARD:  # the first module of this group to run
+        first = self.phase is not Phase.FORWARD  # the first module of this group to run
+        if first:
             self.phase = Phase.FORWARD
             if torch.is_grad_enabled():
                 self._forward_ran = True
@@ -134,7 +135,9 @@ class FSDPState:
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             dtype = self.mp_policy.param_dtype
             args, kwargs = _cast_floats((args, kwargs), dtype)
-        if torch.is_grad_enabled() and self.group is not None:
+        if first and torch.is_grad_enabled() and self.group is not None:
+            # Only the first module's inputs: their gradients come after the backward of
+            # every module of the group (a list group runs its modules in sequence).
             args, kwargs = _PostBackward.route(self, args, kwargs)
         return args, kwargs
 
@@ -248,8 +251,7 @@ def finish_reduces(context: Context) -> None:
     for group in groups:
         by_mesh.setdefault(id(group.mesh), []).append(group)
     for same_mesh in by_mesh.values():
-        masks = all_reduce_masks([g.received_mask() for g in same_mesh], same_mesh[0].mesh)
-        for group, used in zip(same_mesh, masks, strict=True):
+        for group, used in zip(same_mesh, used_anywhere(same_mesh), strict=True):
             group.assign_gradients(used)
 
 

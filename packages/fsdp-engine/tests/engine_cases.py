@@ -1,0 +1,649 @@
+"""Engine checks run on every rank of a RankPool, against single-process training and FSDP2.
+
+Each rank trains on its own slice of every batch; the reference trains one process on the full
+batch, and torch's FSDP2 trains the same model on the same slices. After `steps` steps of
+AdamW + clip_grad_norm_, the losses and every parameter must agree.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from models import Config, Decoder, loss_fn
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
+
+import fsdp_engine
+from fsdp_engine import MixedPrecisionPolicy, fully_shard
+from ragged_placement import RaggedShard, flat_range
+
+BATCH_PER_RANK = 2
+SEQ = 9
+
+VARIANTS = (
+    "dense",
+    "moe",
+    "block_rows",
+    "list_group",
+    "tied",
+    "frozen",
+    "unused",
+    "explicit_prefetch",
+    "grad_accumulation",
+    "no_reshard",
+    "hsdp",
+    "bf16",
+)
+
+
+def _config(variant: str) -> Config:
+    if variant == "moe":
+        return Config(num_experts=16, top_k=2)
+    if variant == "tied":
+        return Config(tie_embeddings=True)
+    return Config()
+
+
+def _mesh(variant: str) -> DeviceMesh:
+    world = dist.get_world_size()
+    if variant == "hsdp":
+        return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh("cpu", (world,))
+
+
+def _model(variant: str) -> Decoder:
+    torch.manual_seed(0)
+    model = Decoder(_config(variant))
+    if variant == "frozen":
+        model.layers[0].attn_norm.weight.requires_grad_(False)
+        model.norm.weight.requires_grad_(False)
+    if variant == "unused":
+        model.layers[1].unused = nn.Linear(3, 5)  # registered, never called
+    if variant == "moe":
+        # In float64: a top-2 router's near-ties flip on fp32 rounding noise (the order in
+        # which ranks' gradients are summed), and one flipped token moves an expert far
+        # beyond fp32 tolerances after a few steps (measured: 2.7e-4 at W=3). In float64
+        # that noise is 1e-16 and the comparison is exact to float64's defaults.
+        model.double()
+    return model
+
+
+def _shard(model: Decoder, variant: str, engine: str) -> None:
+    mesh = _mesh(variant)
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if variant == "bf16":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+    shard: Callable[..., Any] = fully_shard if engine == "ours" else torch_fully_shard
+    if variant == "block_rows" and engine == "ours":
+        kwargs["block_rows"] = lambda fqn, p: 32 if p.dim() == 2 else 1
+    if variant == "no_reshard":
+        kwargs["reshard_after_forward"] = False
+    for layer in model.layers:
+        shard(layer, **kwargs)
+    if variant == "list_group":
+        shard([model.norm, model.head], **kwargs)
+    kwargs.pop("reshard_after_forward", None)
+    shard(model, **kwargs)
+    if variant == "explicit_prefetch":
+        layers = list(model.layers)
+        for i, layer in enumerate(layers):
+            layer.set_modules_to_forward_prefetch(layers[i + 1 : i + 2])  # type: ignore[operator]
+            layer.set_modules_to_backward_prefetch(layers[i - 1 : i] if i else [])  # type: ignore[operator]
+
+
+def _batches(steps: int, micro: int) -> list[list[torch.Tensor]]:
+    world = dist.get_world_size()
+    gen = torch.Generator().manual_seed(1)
+    vocab = Config().vocab
+    return [
+        [
+            torch.randint(0, vocab, (world * BATCH_PER_RANK, SEQ), generator=gen)
+            for _ in range(micro)
+        ]
+        for _ in range(steps)
+    ]
+
+
+def _my_rows(batch: torch.Tensor, variant: str) -> torch.Tensor:
+    rank = dist.get_rank()
+    return batch[rank * BATCH_PER_RANK : (rank + 1) * BATCH_PER_RANK]
+
+
+def _train(
+    model: nn.Module, batches: list[list[torch.Tensor]], variant: str, sharded: bool
+) -> list[float]:
+    # eps well above fp32 summation noise: AdamW's first step is g / (|g| + eps), so with
+    # the default 1e-8 an element whose gradient is numerically zero (~1e-8, noise of the
+    # reduction order) moves by up to lr / 2 depending on that noise (seen: 1.1e-4 on one
+    # of 400 elements at W=4 with gradient accumulation, where the gradients agreed to 5e-10).
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
+    losses = []
+    for micro_batches in batches:
+        total = 0.0
+        for index, batch in enumerate(micro_batches):
+            last = index == len(micro_batches) - 1
+            if sharded and len(micro_batches) > 1:
+                model.set_requires_gradient_sync(last)  # type: ignore[operator]
+            tokens = _my_rows(batch, variant) if sharded else batch
+            loss = loss_fn(model(tokens), tokens) / len(micro_batches)
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        if sharded:  # the mean over ranks is the full batch's loss
+            value = torch.tensor(total, dtype=torch.float64)
+            dist.all_reduce(value)
+            total = value.item() / dist.get_world_size()
+        losses.append(total)
+    return losses
+
+
+def _as_tensor(losses: list[float], model: nn.Module) -> torch.Tensor:
+    """Losses in the model's dtype, so that assert_close uses that dtype's tolerances."""
+    return torch.tensor(losses, dtype=next(model.parameters()).dtype)
+
+
+def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+        for name, p in model.named_parameters()
+    }
+
+
+def check_training(variant: str, steps: int = 5) -> dict[str, Any]:
+    """Ours against the single-process reference (fp32) and against torch FSDP2."""
+    micro = 2 if variant == "grad_accumulation" else 1
+    batches = _batches(steps, micro)
+    base = _model(variant)
+    reference_copy = copy.deepcopy(base)
+    reference, theirs, ours = copy.deepcopy(base), copy.deepcopy(base), base
+    _shard(ours, variant, "ours")
+    ours_losses = _train(ours, batches, variant, sharded=True)
+    ours_params = _full_params(ours)
+    names = [name for name, _ in reference.named_parameters()]
+    assert list(ours_params) == names, (list(ours_params), names)
+    for name, p in ours.named_parameters():
+        assert isinstance(p, DTensor), name
+        assert isinstance(p.placements[-1], RaggedShard) or p.numel() == 0, (name, p.placements)
+    result: dict[str, Any] = {"ours": ours_losses}
+    if variant != "bf16":
+        ref_losses = _train(reference, batches, variant, sharded=False)
+        torch.testing.assert_close(_as_tensor(ours_losses, base), _as_tensor(ref_losses, base))
+        for name, value in _full_params(reference).items():
+            torch.testing.assert_close(ours_params[name], value, msg=lambda m, n=name: f"{n}: {m}")
+        result["reference"] = ref_losses
+    if variant != "block_rows":  # FSDP2 has no block granularity
+        if variant == "moe":
+            # Ranks route tokens to different experts, so FSDP2 needs zero gradients for
+            # the experts a rank did not use (or its reduce-scatters mismatch and hang);
+            # that also gives experts no rank used a zero gradient where single-process
+            # training has None. Compare with ours in the same mode.
+            ours = copy.deepcopy(reference_copy)
+            _shard(ours, variant, "ours")
+            ours.set_reduce_scatter_unused_params(True)  # type: ignore[operator]
+            ours_losses = _train(ours, batches, variant, sharded=True)
+            ours_params = _full_params(ours)
+        _shard(theirs, variant, "fsdp2")
+        if variant == "moe":
+            theirs.set_reduce_scatter_unused_params(True)  # type: ignore[operator]
+        fsdp2_losses = _train(theirs, batches, variant, sharded=True)
+        # bf16: both engines run the same bf16 forward/backward and reduce in fp32; they
+        # differ only in summation order, which AdamW's normalisation can amplify.
+        tolerance = {"atol": 1e-3, "rtol": 1e-3} if variant == "bf16" else {}
+        torch.testing.assert_close(
+            _as_tensor(ours_losses, base), _as_tensor(fsdp2_losses, base), **tolerance
+        )
+        for name, value in _full_params(theirs).items():
+            torch.testing.assert_close(
+                ours_params[name], value, msg=lambda m, n=name: f"{n}: {m}", **tolerance
+            )
+        result["fsdp2"] = fsdp2_losses
+    return result
+
+
+def check_block_rows_layout() -> None:
+    """block_rows=32 on every 2-D weight: no rank boundary cuts a block of 32 rows."""
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    model = Decoder(Config(dim=20, hidden=70, vocab=100))
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(model, mesh=mesh, block_rows=lambda fqn, p: 32 if p.dim() == 2 else 1)
+    cut = 0
+    for name, param in model.named_parameters():
+        lo, hi = flat_range(param)
+        if param.dim() != 2 or hi == lo:
+            continue
+        block = 32 * param.shape[1]
+        assert lo % block == 0, (name, lo, hi)
+        assert hi % block == 0 or hi == param.numel(), (name, lo, hi)
+        cut += lo > 0
+    # With more than one rank some 2-D weight really is split (the check above ran).
+    counts = torch.tensor([cut])
+    dist.all_reduce(counts)
+    assert world == 1 or counts.item() > 0
+
+
+def check_fsdp_module_methods() -> None:
+    """unshard / reshard / setters work as FSDP2's do."""
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = Decoder(Config())
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    layer = model.layers[0]
+    assert type(layer).__name__ == "FSDPBlock" and isinstance(layer, fsdp_engine.FSDPModule)
+    assert type(model.layers[1]) is type(layer)  # one cached class per original class
+    # unshard: the registered parameters become plain tensors equal to the full values.
+    full = {n: p.full_tensor() for n, p in layer.named_parameters()}
+    handle = layer.unshard(async_op=True)
+    assert isinstance(handle, fsdp_engine.UnshardHandle)
+    handle.wait()
+    for name, param in layer.named_parameters():
+        assert not isinstance(param, DTensor), name
+        assert torch.equal(param, full[name]), name
+    same = {n: p for n, p in layer.named_parameters()}
+    layer.reshard()
+    assert all(isinstance(p, DTensor) for p in layer.parameters())
+    assert layer.unshard() is None
+    assert all(p is same[n] for n, p in layer.named_parameters())  # persistent objects
+    layer.reshard()
+    # set_requires_gradient_sync(recurse) reaches every nested module.
+    model.set_requires_gradient_sync(False)
+    for sub in (model, *model.layers):
+        assert not sub._fsdp_engine_state.group.settings.requires_gradient_sync
+    model.set_requires_gradient_sync(True, recurse=False)
+    assert model._fsdp_engine_state.group.settings.requires_gradient_sync
+    assert not layer._fsdp_engine_state.group.settings.requires_gradient_sync
+    model.set_requires_gradient_sync(True)
+    for name in ("set_custom_all_gather", "set_custom_reduce_scatter"):
+        _expect(NotImplementedError, lambda n=name: getattr(layer, n)(None), "does not support")
+    _expect(NotImplementedError, layer.set_symm_mem_for_comm, "symmetric memory")
+    _expect(
+        NotImplementedError,
+        lambda: layer.set_allocate_memory_from_process_group_for_comm(True),
+        "DBuffer",
+    )
+    _expect(NotImplementedError, layer.set_separate_reduce_scatter_group, "process groups")
+    # set_gradient_divide_factor: gradients are sum / factor.
+    tokens = torch.randint(
+        0, 37, (2, SEQ), generator=torch.Generator().manual_seed(dist.get_rank())
+    )
+    reference = _grads_after_backward(model, tokens)
+    for sub in (model, *model.layers):
+        sub.set_gradient_divide_factor(2.0)
+    scaled = _grads_after_backward(model, tokens)
+    for name, grad in reference.items():
+        torch.testing.assert_close(scaled[name], grad * world / 2.0, msg=name)
+    for sub in (model, *model.layers):
+        sub._fsdp_engine_state.group.settings.divide_factor = None
+        sub.set_force_sum_reduction_for_comms(True)
+    summed = _grads_after_backward(model, tokens)
+    for name, grad in reference.items():
+        torch.testing.assert_close(summed[name], grad, msg=name)
+    # set_all_reduce_hook sees each reduced flat shard.
+    seen: list[int] = []
+    model.set_all_reduce_hook(lambda t: seen.append(t.numel()))
+    _grads_after_backward(model, tokens)
+    assert len(seen) == 3, seen
+    # reset_iter_state, set_is_last_backward, set_reshard_after_* and unshard_in_backward.
+    model.reset_iter_state()
+    model.set_reshard_after_forward(False)
+    assert all(s._fsdp_engine_state.reshard_after_forward is False for s in model.layers)
+    model.set_reshard_after_backward(True)
+    layer.set_unshard_in_backward(True)
+    model.set_is_last_backward(True)
+
+
+def _grads_after_backward(model: nn.Module, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+    loss_fn(model(tokens), tokens).backward()
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+    for p in model.parameters():
+        p.grad = None
+    return grads
+
+
+def _expect(error: type[BaseException], fn: Callable[[], object], match: str) -> None:
+    try:
+        fn()
+    except error as exc:
+        assert match in str(exc), f"expected {match!r} in {exc}"
+    else:
+        raise AssertionError(f"expected {error.__name__} matching {match!r}")
+
+
+def check_bad_input() -> None:
+    """Every bad argument raises a clear error naming the value."""
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+
+    def fresh() -> Decoder:
+        torch.manual_seed(0)
+        return Decoder(Config())
+
+    model = fresh()
+    fully_shard(model.layers[0], mesh=mesh)
+    _expect(ValueError, lambda: fully_shard(model.layers[0], mesh=mesh), "already applied")
+    # A parameter tied across two groups.
+    tied = Decoder(Config(tie_embeddings=True))
+    fully_shard(tied.embed, mesh=mesh)
+    _expect(ValueError, lambda: fully_shard(tied, mesh=mesh), "'head.weight' is shared")
+    # A scalar parameter; parameters on mixed devices.
+    scalar = nn.Linear(3, 3)
+    scalar.scale = nn.Parameter(torch.tensor(1.0))
+    _expect(ValueError, lambda: fully_shard(scalar, mesh=mesh), "'scale' is a scalar")
+    mixed = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3, device="meta"))
+    _expect(ValueError, lambda: fully_shard(mixed, mesh=mesh), "one device")
+    # Meshes: 3-D, not a mesh.
+    if world == 1:
+        cube = init_device_mesh("cpu", (1, 1, 1))
+        _expect(ValueError, lambda: fully_shard(fresh(), mesh=cube), "3-D mesh")
+    _expect(TypeError, lambda: fully_shard(fresh(), mesh="cpu"), "DeviceMesh")  # type: ignore[call-overload]
+    # reshard_after_forward.
+    _expect(ValueError, lambda: fully_shard(fresh(), mesh=mesh, reshard_after_forward=2), "=2")
+    _expect(
+        TypeError, lambda: fully_shard(fresh(), mesh=mesh, reshard_after_forward="yes"), "'yes'"
+    )  # type: ignore[call-overload]
+    # block_rows.
+    _expect(
+        ValueError,
+        lambda: fully_shard(fresh(), mesh=mesh, block_rows={"head.wieght": 32}),
+        "['head.wieght']",
+    )
+    _expect(ValueError, lambda: fully_shard(fresh(), mesh=mesh, block_rows=0), "got 0")
+    _expect(
+        ValueError,
+        lambda: fully_shard(fresh(), mesh=mesh, block_rows={"head.weight": -4}),
+        "'head.weight' must be an int >= 1, got -4",
+    )
+    _expect(TypeError, lambda: fully_shard(fresh(), mesh=mesh, block_rows=2.5), "float")  # type: ignore[call-overload]
+    # shard_placement_fn.
+    from torch.distributed.tensor import Shard
+
+    _expect(
+        ValueError,
+        lambda: fully_shard(fresh(), mesh=mesh, shard_placement_fn=lambda p: Shard(1)),
+        "returned Shard(dim=1)",
+    )
+    fully_shard(fresh(), mesh=mesh, shard_placement_fn=lambda p: Shard(0))  # the default: fine
+    # Prefetch setters take FSDPModules only.
+    layered = fresh()
+    fully_shard(layered.layers[0], mesh=mesh)
+    _expect(
+        ValueError,
+        lambda: layered.layers[0].set_modules_to_forward_prefetch([layered.layers[1]]),
+        "must be FSDPModules",
+    )
+    _expect(
+        ValueError,
+        lambda: layered.layers[0].set_modules_to_backward_prefetch([nn.Linear(2, 2)]),
+        "got Linear",
+    )
+    # Offload, policies, setters.
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    _expect(
+        NotImplementedError,
+        lambda: fully_shard(fresh(), mesh=mesh, offload_policy=CPUOffloadPolicy()),
+        "CPUOffloadPolicy",
+    )
+    _expect(
+        TypeError, lambda: fully_shard(fresh(), mesh=mesh, mp_policy="bf16"), "MixedPrecisionPolicy"
+    )  # type: ignore[call-overload]
+    _expect(TypeError, lambda: layered.layers[0].set_requires_gradient_sync(1), "bool")
+    _expect(ValueError, lambda: layered.layers[0].set_gradient_divide_factor(0), "> 0")
+    _expect(TypeError, lambda: fully_shard(3, mesh=mesh), "nn.Modules")  # type: ignore[call-overload]
+    _expect(ValueError, lambda: fully_shard([], mesh=mesh), "non-empty")
+
+
+def _sharded_model(engine: str, seed: int) -> tuple[Decoder, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = Decoder(Config())
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    shard: Callable[..., Any] = fully_shard if engine == "ours" else torch_fully_shard
+    for layer in model.layers:
+        shard(layer, mesh=mesh)
+    shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _steps(model: nn.Module, opt: torch.optim.Optimizer, batches: list[torch.Tensor]) -> None:
+    for batch in batches:
+        tokens = _my_rows(batch, "dense")
+        loss_fn(model(tokens), tokens).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+
+
+def _full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True)
+    return {
+        "model": get_model_state_dict(model, options=options),
+        "optim": get_optimizer_state_dict(model, opt, options=options),
+    }
+
+
+def check_checkpoint_save(directory: str, engine: str) -> None:
+    """Trains 2 steps, saves with DCP, records the full state, trains 2 more, records again."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    model, opt = _sharded_model(engine, seed=0)
+    batches = [b[0] for b in _batches(4, 1)]
+    _steps(model, opt, batches[:2])
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.save(state, checkpoint_id=f"{directory}/dcp")
+    full = copy.deepcopy(_full_state(model, opt))  # AdamW's step tensors are shared
+    _steps(model, opt, batches[2:])
+    after = _full_state(model, opt)
+    if dist.get_rank() == 0:
+        torch.save({"saved": full, "after": after}, f"{directory}/full.pt")
+    dist.barrier()
+
+
+def check_checkpoint_load(directory: str, engine: str, resume: bool) -> None:
+    """Loads the DCP checkpoint into a differently initialized model: bit-exact state.
+
+    `resume`: also train the 2 steps after the save and match the uninterrupted run exactly
+    (same world size only: the per-rank batches and the reduction order must be the same).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    model, opt = _sharded_model(engine, seed=123)
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=f"{directory}/dcp")
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    if engine == "ours":  # still views of the DBuffer: the next gather sends the loaded values
+        for name, param in model.named_parameters():
+            group = _owner_group(model, name)
+            assert any(
+                param.to_local().untyped_storage().data_ptr()
+                == b.local.untyped_storage().data_ptr()
+                for b in group.buffers
+            ), name
+    expected = torch.load(f"{directory}/full.pt", weights_only=False)
+    _assert_state_equal(_full_state(model, opt), expected["saved"])
+    if resume:
+        batches = [b[0] for b in _batches(4, 1)]
+        _steps(model, opt, batches[2:])
+        _assert_state_equal(_full_state(model, opt), expected["after"])
+
+
+def _owner_group(model: nn.Module, fqn: str) -> Any:
+    module_path, _, _ = fqn.rpartition(".")
+    parts = module_path.split(".") if module_path else []
+    owner = model
+    for i in range(len(parts), -1, -1):
+        candidate = model.get_submodule(".".join(parts[:i]))
+        if isinstance(candidate, fsdp_engine.FSDPModule):
+            owner = candidate
+            break
+    return owner._fsdp_engine_state.group
+
+
+def _assert_state_equal(got: dict[str, Any], expected: dict[str, Any]) -> None:
+    if dist.get_rank() != 0:  # full state dicts live on rank 0
+        return
+    for name, value in expected["model"].items():
+        assert torch.equal(got["model"][name], value), name
+    for fqn, state in expected["optim"]["state"].items():
+        for key, value in state.items():
+            assert torch.equal(got["optim"]["state"][fqn][key], value), (fqn, key)
+
+
+def peak_live_bytes(fn: Callable[[], object]) -> int:
+    """Peak bytes of tensors allocated (and still live) while `fn` runs, from the profiler.
+
+    The torch profiler records every CPU allocation and free ("[memory]" events); the running
+    sum of their sizes, in time order, peaks at the most memory `fn` held at once.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    # Each allocation and free is a "[memory]" event with its size (negative for frees).
+    assert prof.profiler is not None
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    live = peak = 0
+    for event in events:
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def check_meta_init() -> dict[str, int]:
+    """Meta-device model -> fully_shard -> to_empty -> init: peak memory is about one shard.
+
+    Initialization runs on each rank's pieces (`local_view`), with a generator per rank.
+    """
+    from ragged_placement import local_view
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,))
+    cfg = Config(vocab=2048, dim=256, num_heads=4, num_layers=4, hidden=688)
+    with torch.device("meta"):
+        model = Decoder(cfg)
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    def build() -> None:
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model.to_empty(device="cpu")
+        gen = torch.Generator().manual_seed(rank)
+        with torch.no_grad():
+            for param in model.parameters():
+                if param.dim() == 2:
+                    local_view(param).normal_(std=0.02, generator=gen)
+                else:
+                    param.fill_(1.0)
+
+    peak = peak_live_bytes(build)
+    shard_bytes = sum(
+        s._fsdp_engine_state.group.buffers[0].local.numel() * 4 for s in (model, *model.layers)
+    )
+    for param in model.parameters():
+        assert not param.is_meta and param.device.type == "cpu"
+    # Only the shard (with its gradient shard allocated up front: 2x) and small temporaries.
+    assert peak <= 2 * shard_bytes + 256 * 1024, (peak, shard_bytes, model_bytes)
+    if world > 1:
+        assert peak < model_bytes, (peak, model_bytes)
+    tokens = torch.randint(0, cfg.vocab, (2, SEQ))
+    loss_fn(model(tokens), tokens).backward()  # the initialized model trains
+    return {"peak": peak, "shard_bytes": shard_bytes, "model_bytes": model_bytes}
+
+
+_COPY_OPS = (
+    "aten::copy_",
+    "aten::cat",
+    "aten::_chunk_cat",
+    "aten::split_with_sizes_copy",
+    "aten::clone",
+    "aten::_to_copy",
+    "fsdp::split_with_sizes_copy",
+    "fsdp::chunk_cat",
+    "fsdp::all_gather_copy_in",
+)
+
+
+# Collective internals: gloo clones a reduce-scatter's input inside the c10d op and copies an
+# all-gather's result out of its staging buffer when the work is waited on (DBuffer labels
+# that wait). Both engines pay these on gloo, NCCL does not; they are not the engine's copies.
+_BACKEND = ("c10d::", "DBuffer::wait")
+
+
+def _bytes_written(event: Any, itemsize: int = 4) -> int:
+    """Bytes a copy kernel writes, from its recorded shapes (fp32)."""
+    if event.name == "fsdp::all_gather_copy_in":  # writes this rank's slice of the output
+        return int(event.concrete_inputs[3]) * itemsize
+    numels = [math.prod(shape) for shape in event.input_shapes if shape]
+    # copy_(dst, src) and split_with_sizes_copy(all of it) write their largest operand;
+    # chunk_cat writes its `out`, the largest.
+    return max(numels, default=0) * itemsize
+
+
+def check_copies(engine: str) -> dict[str, Any]:
+    """Copy kernels the engine runs in one training step (fp32), under the torch profiler.
+
+    Counted: copy kernels inside the engine's own profiler ranges ("FSDP::*", which both
+    engines use), on the training thread, outside the collectives (`_BACKEND`). gloo's other
+    internal copies run on its own threads and are not counted for either engine.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    model, opt = _sharded_model(engine, seed=0)
+    batches = [b[0] for b in _batches(2, 1)]
+    _steps(model, opt, batches[:1])  # warm-up: lazy init, first allocations
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        _steps(model, opt, batches[1:])
+    copies: dict[str, list[int]] = {}
+    for event in prof.events():
+        if event.name not in _COPY_OPS:
+            continue
+        parent, inside = event.cpu_parent, False
+        while parent is not None:
+            if parent.name in _COPY_OPS or parent.name.startswith(_BACKEND):
+                inside = False  # counted at the outer copy, or the backend's own work
+                break
+            if parent.name.startswith("FSDP::"):
+                inside = True
+                break
+            parent = parent.cpu_parent
+        if inside:
+            copies.setdefault(event.name, []).append(_bytes_written(event))
+    param_bytes = sum(p.numel() * 4 for p in model.parameters())
+    return {
+        "kernels": {name: len(sizes) for name, sizes in copies.items()},
+        "bytes": {name: sum(sizes) for name, sizes in copies.items()},
+        "param_bytes": param_bytes,
+        "num_params": sum(1 for _ in model.parameters()),
+    }
