@@ -647,3 +647,84 @@ def check_copies(engine: str) -> dict[str, Any]:
         "param_bytes": param_bytes,
         "num_params": sum(1 for _ in model.parameters()),
     }
+
+
+def check_compile(backend: str) -> None:
+    """Each block compiled before fully_shard (as torchtitan does) trains as in eager mode."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    compiled = Decoder(Config())
+    eager = copy.deepcopy(compiled)
+    for index, layer in enumerate(compiled.layers):
+        compiled.layers[index] = torch.compile(layer, backend=backend)
+    for model in (compiled, eager):
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (compiled, eager)]
+    for batch in _batches(3, 1):
+        tokens = _my_rows(batch[0], "dense")
+        losses = []
+        for model, opt in zip((compiled, eager), optimizers, strict=True):
+            loss = loss_fn(model(tokens), tokens)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[0], losses[1])
+    eager_params = _full_params(eager)
+    for name, value in _full_params(compiled).items():
+        expected = eager_params[name.replace("._orig_mod", "")]
+        if backend == "aot_eager":  # the same kernels: bit-exact
+            assert torch.equal(value, expected), name
+        else:  # inductor fuses differently
+            torch.testing.assert_close(value, expected, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def check_overlap() -> dict[str, int]:
+    """Collectives run while compute goes on (gloo works on its own threads).
+
+    From the profiler's timeline of one training step on the training thread:
+    - forward: the next block's all-gather is issued (`FSDP::forward_prefetch`) before this
+      block's matmuls, which run before anything waits for a gather;
+    - backward: a block's reduce-scatter is issued and the previous block's backward matmuls
+      run before anything waits for a reduce.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    model, opt = _sharded_model("ours", seed=0)
+    batches = [b[0] for b in _batches(2, 1)]
+    _steps(model, opt, batches[:1])  # the first step records the forward order
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _steps(model, opt, batches[1:])
+    events = [e for e in prof.events() if e.thread == _training_thread(prof.events())]
+    events.sort(key=lambda e: e.time_range.start)
+
+    def compute_between(start: str, parent: str, stop: str) -> int:
+        """Matmuls after the first `start` event inside a `parent` range, before `stop`."""
+        first = next(
+            e
+            for e in events
+            if e.name.startswith(start) and e.cpu_parent and e.cpu_parent.name.startswith(parent)
+        )
+        later = [e for e in events if e.time_range.start >= first.time_range.end]
+        end = next(e for e in later if e.name.startswith(stop)).time_range.start
+        between = [e for e in later if e.time_range.start < end]
+        return sum(e.name in ("aten::mm", "aten::addmm", "aten::bmm") for e in between)
+
+    counts = {
+        # Issued by block 0 for block 1; waited for in block 1's pre-forward.
+        "forward": compute_between(
+            "FSDP::forward_prefetch(Block)", "FSDP::pre_forward(Block)", "FSDP::wait_for_unshard"
+        ),
+        # Issued in block 1's post-backward; waited for in block 0's post-backward.
+        "backward": compute_between(
+            "FSDP::reduce_scatter(Block)", "FSDP::post_backward(Block)", "FSDP::wait_for_reduce"
+        ),
+    }
+    assert counts["forward"] > 0 and counts["backward"] > 0, counts
+    return counts
+
+
+def _training_thread(events: Any) -> int:
+    return next(e.thread for e in events if e.name.startswith("FSDP::pre_forward"))

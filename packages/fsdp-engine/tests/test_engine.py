@@ -1,5 +1,7 @@
 """fully_shard on 1-4 gloo ranks against single-process training and torch FSDP2."""
 
+import shutil
+
 import engine_cases as cases
 import pytest
 
@@ -74,3 +76,18 @@ def test_one_copy_per_gradient_and_no_interleaving_copies(pools, world) -> None:
         # The same method sees FSDP2's interleaving copies.
         assert fsdp2["kernels"].get("fsdp::chunk_cat", 0) > 0, fsdp2
         assert fsdp2["kernels"].get("fsdp::split_with_sizes_copy", 0) > 0, fsdp2
+
+
+def test_compiled_blocks_match_eager(pools) -> None:
+    pools[2].run(cases.check_compile, "aot_eager")
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="inductor needs a C++ compiler")
+def test_compiled_blocks_match_eager_inductor(pools) -> None:
+    pools[2].run(cases.check_compile, "inductor")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_collectives_overlap_compute(pools, world) -> None:
+    for counts in pools[world].run(cases.check_overlap):
+        print(f"W={world}: matmuls while a collective was in flight: {counts}")

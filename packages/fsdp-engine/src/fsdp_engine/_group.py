@@ -124,8 +124,10 @@ class ParamGroup:
 
     def wait_for_unshard(self) -> None:
         """Waits for the gathers and registers the unsharded parameters."""
-        for handle in self._unshard_handles:
-            handle.wait()
+        if self._unshard_handles:
+            with record_function(f"FSDP::wait_for_unshard({self.label})"):
+                for handle in self._unshard_handles:
+                    handle.wait()
         self._unshard_handles = []
         for param in self.params:
             if param.unsharded is None:
@@ -212,7 +214,8 @@ class ParamGroup:
         if pending is None or pending.done:
             return
         for buffer, handle in pending.handles:
-            handle.wait()
+            with record_function(f"FSDP::wait_for_reduce({self.label})"):
+                handle.wait()
             if self.settings.requires_all_reduce and buffer.replicate_dim is not None:
                 buffer.all_reduce(op="sum" if self._reduce_op == "sum" else "avg").wait()
             if self.settings.all_reduce_hook is not None:

@@ -131,7 +131,7 @@ class FSDPState:
                 with record_function(f"FSDP::pre_forward({self.group.label})"):
                     self.group.unshard()
                     self.group.wait_for_unshard()
-                self._prefetch(self._forward_targets(), "forward")
+                    self._prefetch(self._forward_targets(), "forward")
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             dtype = self.mp_policy.param_dtype
             args, kwargs = _cast_floats((args, kwargs), dtype)
@@ -199,11 +199,11 @@ class FSDPState:
             return grad
         self._pre_backward_done = True
         self.phase = Phase.BACKWARD
-        if self.unshard_in_backward:
-            with record_function(f"FSDP::pre_backward({self.group.label})"):
+        with record_function(f"FSDP::pre_backward({self.group.label})"):
+            if self.unshard_in_backward:
                 self.group.unshard()
                 self.group.wait_for_unshard()
-        self._prefetch(self._backward_targets(), "backward")
+            self._prefetch(self._backward_targets(), "backward")
         return grad
 
     def post_backward(self) -> None:
