@@ -728,3 +728,161 @@ def check_overlap() -> dict[str, int]:
 
 def _training_thread(events: Any) -> int:
     return next(e.thread for e in events if e.name.startswith("FSDP::pre_forward"))
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def check_schedule_setters() -> None:
+    """The schedule setters change what is sharded when, and the gradients stay right."""
+    world = dist.get_world_size()
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    batches = [torch.randint(0, Config().vocab, (2, SEQ), generator=gen) for _ in range(2)]
+
+    def backward(model: nn.Module, tokens: torch.Tensor) -> None:
+        loss_fn(model(tokens), tokens).backward()
+
+    reference, _ = _sharded_model("ours", seed=0)
+    for tokens in batches:  # two backwards, gradients accumulate
+        backward(reference, tokens)
+    expected = _grads(reference)
+
+    # reshard_after_forward / reshard_after_backward.
+    model, _ = _sharded_model("ours", seed=0)
+    model.set_reshard_after_forward(False)
+    logits = model(batches[0])
+    assert not any(isinstance(p, DTensor) for p in model.layers[0].parameters())
+    loss_fn(logits, batches[0]).backward()
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    model.set_reshard_after_forward(True)
+    model.set_reshard_after_backward(False)
+    backward(model, batches[1])
+    assert not any(isinstance(p, DTensor) for p in model.layers[0].parameters())
+    for module in (model, *model.layers):
+        module.reshard()
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    _assert_grads_equal(_grads(model), expected)
+
+    # set_is_last_backward(False): the reduces finish when the next backward reduces.
+    model, _ = _sharded_model("ours", seed=0)
+    model.set_is_last_backward(False)
+    backward(model, batches[0])
+    assert all(p.grad is None for p in model.parameters())
+    model.set_is_last_backward(True)
+    backward(model, batches[1])
+    _assert_grads_equal(_grads(model), expected)
+
+    # set_reduce_scatter_max_input_buffers: more reduces in flight, the same gradients.
+    model, _ = _sharded_model("ours", seed=0)
+    model.set_reduce_scatter_max_input_buffers(3)
+    for tokens in batches:
+        backward(model, tokens)
+    _assert_grads_equal(_grads(model), expected)
+    _expect(ValueError, lambda: model.set_reduce_scatter_max_input_buffers(0), "int >= 1")
+
+    # set_unshard_in_backward(False) on an embedding: no gather in backward, same gradients.
+    torch.manual_seed(0)
+    model = Decoder(Config())
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(model.embed, mesh=mesh)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.embed.set_unshard_in_backward(False)
+    embed_group = model.embed._fsdp_engine_state.group
+    gathers: list[bool] = []
+    original = embed_group.unshard
+
+    def counting_unshard(*, async_op: bool = False) -> Any:
+        if not embed_group.is_unsharded:  # a real gather; backward runs with grad mode off
+            gathers.append(torch.is_grad_enabled())
+        return original(async_op=async_op)
+
+    embed_group.unshard = counting_unshard
+    for tokens in batches:
+        backward(model, tokens)
+    assert gathers == [True, True], gathers  # one per forward, none in backward
+    _assert_grads_equal(_grads(model), expected)
+
+    # reset_iter_state after an exception in the middle of forward.
+    model, _ = _sharded_model("ours", seed=0)
+
+    def fail(*_: object) -> None:
+        raise RuntimeError("boom")
+
+    handle = model.layers[1].register_forward_hook(fail)
+    _expect(RuntimeError, lambda: model(batches[0]), "boom")
+    handle.remove()
+    model.reset_iter_state()
+    for tokens in batches:
+        backward(model, tokens)
+    _assert_grads_equal(_grads(model), expected)
+
+
+def check_requires_all_reduce() -> None:
+    """HSDP: set_requires_all_reduce(False) reduce-scatters only over the shard axis."""
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    tokens = torch.randint(
+        0, Config().vocab, (2, SEQ), generator=torch.Generator().manual_seed(dist.get_rank())
+    )
+    results = []
+    for all_reduce in (True, False):
+        torch.manual_seed(0)
+        model = Decoder(Config())
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model.set_requires_all_reduce(all_reduce)
+        loss_fn(model(tokens), tokens).backward()
+        results.append({n: p.grad.to_local().clone() for n, p in model.named_parameters()})
+    replicate = mesh.get_group("replicate")
+    for name, without in results[1].items():
+        averaged = without.clone()
+        dist.all_reduce(averaged, group=replicate)
+        torch.testing.assert_close(averaged / 2, results[0][name], msg=name)
+        if without.numel():
+            different = torch.tensor([float(not torch.allclose(without, results[0][name]))])
+            dist.all_reduce(different)
+            assert different.item() > 0, name  # the replicas' halves really differ
+
+
+def _assert_grads_equal(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == expected.keys(), (sorted(got), sorted(expected))
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def check_cuda_training() -> None:
+    """CUDA + NCCL: ours equals single-process training; the root waits for a post-optim
+    event recorded on a side stream where the optimizer runs."""
+    world = dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device())
+    mesh = init_device_mesh("cuda", (world,))
+    torch.manual_seed(0)
+    reference = Decoder(Config()).to(device)
+    model = copy.deepcopy(reference)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-6)
+    side = torch.cuda.Stream()
+    for batch in _batches(3, 1):
+        full = batch[0].to(device)
+        loss_fn(model(_my_rows(full, "dense")), _my_rows(full, "dense")).backward()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            opt.step()
+            opt.zero_grad()
+            event = torch.cuda.Event()
+            event.record(side)
+        model.set_post_optim_event(event)  # the next forward's gathers wait for the step
+        loss_fn(reference(full), full).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    torch.cuda.current_stream().wait_stream(side)
+    ref = _full_params(reference)
+    for name, value in _full_params(model).items():
+        torch.testing.assert_close(value, ref[name], msg=lambda m, n=name: f"{n}: {m}")

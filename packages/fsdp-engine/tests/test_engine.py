@@ -91,3 +91,12 @@ def test_compiled_blocks_match_eager_inductor(pools) -> None:
 def test_collectives_overlap_compute(pools, world) -> None:
     for counts in pools[world].run(cases.check_overlap):
         print(f"W={world}: matmuls while a collective was in flight: {counts}")
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_schedule_setters(pools, world) -> None:
+    pools[world].run(cases.check_schedule_setters)
+
+
+def test_requires_all_reduce_hsdp(pools) -> None:
+    pools[4].run(cases.check_requires_all_reduce)

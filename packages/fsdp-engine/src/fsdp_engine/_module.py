@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fsdp_engine._group import move_storage
-from fsdp_engine._state import FSDPState, finish_reduces
+from fsdp_engine._state import FSDPState
 
 _STATE = "_fsdp_engine_state"
 
@@ -332,10 +332,3 @@ def _prefetch_states(modules: object) -> list[FSDPState]:
             )
         states.append(state_of(module))  # type: ignore[arg-type]
     return states
-
-
-def finish_backward(module: nn.Module) -> None:
-    """Waits for the reduces of `module`'s root context and sets the sharded `.grad`s."""
-    state = state_of(module)
-    if state.context is not None:
-        finish_reduces(state.context)

@@ -118,7 +118,8 @@ class FSDPState:
         context = self.context
         assert context is not None
         if self.is_root and context.post_optim_event is not None:
-            torch.cuda.current_stream().wait_event(context.post_optim_event)
+            # The optimizer step recorded this event: the gathers below must see its writes.
+            context.post_optim_event.wait()
             context.post_optim_event = None
         first = self.phase is not Phase.FORWARD  # the first module of this group to run
         if first:
@@ -219,6 +220,10 @@ class FSDPState:
                 group.reshard()
             if not group.settings.requires_gradient_sync:
                 return
+            if group.has_reduce:
+                # A reduce from a backward that was not the last (set_is_last_backward):
+                # finish it first, so that this one adds to its gradients.
+                finish_reduces([group])
             while len(context.reducing) >= context.max_reduces_in_flight:
                 context.reducing.pop(0).group.wait_for_reduce()  # type: ignore[union-attr]
             group.reduce(async_op=True)
@@ -235,18 +240,21 @@ class FSDPState:
                     state.group.reshard()  # e.g. prefetched but never run
             context.order_frozen = True
             if context.is_last_backward:
-                finish_reduces(context)
+                finish_reduces([s.group for s in context.states if s.group is not None])
+                context.reducing = []
             for state in context.states:
                 state.reset()
             context.callback_queued = False
 
 
-def finish_reduces(context: Context) -> None:
-    """Waits for every pending reduce and hands out the sharded gradients."""
-    groups = [s.group for s in context.states if s.group is not None and s.group.has_reduce]
+def finish_reduces(candidates: list[ParamGroup]) -> None:
+    """Waits for the groups' pending reduces and hands out their sharded gradients.
+
+    Every rank calls it for the same groups in the same order (it runs a small collective).
+    """
+    groups = [group for group in candidates if group.has_reduce]
     for group in groups:
         group.wait_for_reduce()
-    context.reducing = []
     by_mesh: dict[int, list[ParamGroup]] = {}
     for group in groups:
         by_mesh.setdefault(id(group.mesh), []).append(group)
