@@ -29,6 +29,8 @@ SEQ = 9
 
 VARIANTS = (
     "dense",
+    "sgd_foreach",
+    "adamw_foreach",
     "moe",
     "block_rows",
     "list_group",
@@ -125,7 +127,18 @@ def _train(
     # the default 1e-8 an element whose gradient is numerically zero (~1e-8, noise of the
     # reduction order) moves by up to lr / 2 depending on that noise (seen: 1.1e-4 on one
     # of 400 elements at W=4 with gradient accumulation, where the gradients agreed to 5e-10).
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
+    if variant == "sgd_foreach":
+        opt: torch.optim.Optimizer = torch.optim.SGD(
+            model.parameters(), lr=0.1, momentum=0.9, foreach=True
+        )
+    else:
+        opt = torch.optim.AdamW(
+            model.parameters(),
+            lr=1e-2,
+            weight_decay=0.1,
+            eps=1e-6,
+            foreach=variant == "adamw_foreach",
+        )
     losses = []
     for micro_batches in batches:
         total = 0.0
@@ -404,6 +417,10 @@ def check_bad_input() -> None:
     _expect(TypeError, lambda: layered.layers[0].set_requires_gradient_sync(1), "bool")
     _expect(ValueError, lambda: layered.layers[0].set_gradient_divide_factor(0), "> 0")
     _expect(TypeError, lambda: fully_shard(3, mesh=mesh), "nn.Modules")  # type: ignore[call-overload]
+    # mesh=None: a 1-D mesh over the default process group.
+    default = fully_shard(fresh())
+    group = default._fsdp_engine_state.group
+    assert group.mesh.ndim == 1 and group.mesh.size() == world, group.mesh
     _expect(ValueError, lambda: fully_shard([], mesh=mesh), "non-empty")
 
 
