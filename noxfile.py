@@ -32,7 +32,7 @@ TORCH_VERSIONS = ["2.13.0", "2.14.1"]
 TORCH_DEFAULT = "2.13.0"
 TORCH_GPU = "2.14.1"  # the CUDA build
 TEST_DEPS = ["pytest>=8", "hypothesis>=6.100"]
-TORCH_TEST_DEPS = [*TEST_DEPS, "numpy"]  # torch.distributed.checkpoint needs numpy
+TORCH_TEST_DEPS = [*TEST_DEPS, "numpy", "tqdm"]  # DCP needs numpy; examples/train.py tqdm
 
 nox.options.sessions = ["lint", "typecheck", "planner", "build", "tests"]
 
@@ -137,13 +137,36 @@ def gpu(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def demo(session: nox.Session) -> None:
-    """The main job: plan real model presets and compare padding with FSDP2 and flat sharding.
+    """The main job: train on Shakespeare with our engine, then with torch FSDP2, and compare.
 
-    Prints one table per preset and draws each into build/demo/<preset>.png.
+    Two gloo ranks on CPU each; prints the side-by-side table and writes the loss curves to
+    build/demo/loss.png. Then plans the real model presets and compares padding with FSDP2
+    (tables on stdout, plots in build/demo/<preset>.png). Pass train.py options after `--`.
     """
-    session.install("-e", "packages/shard-planner[plot]")
+    _install_members(session, TORCH_DEFAULT)
+    session.install("tqdm", "matplotlib", "-e", "packages/shard-planner[plot]")
     out = ROOT / "build" / "demo"
     out.mkdir(parents=True, exist_ok=True)
+    for engine in ("ours", "fsdp2"):
+        session.run(
+            "python",
+            "examples/train.py",
+            "--nproc",
+            "2",
+            "--engine",
+            engine,
+            "--out",
+            str(out),
+            *session.posargs,
+        )
+    session.run(
+        "python",
+        "examples/report.py",
+        str(out / "ours.json"),
+        str(out / "fsdp2.json"),
+        "--plot",
+        str(out / "loss.png"),
+    )
     for preset in ("llama3-8b", "deepseek-v3-671b", "gpt-oss-120b", "qwen3-30b-a3b"):
         session.run(
             "shard-planner",
@@ -156,7 +179,6 @@ def demo(session: nox.Session) -> None:
             "1,32",
             "--plot",
             str(out / f"{preset}.png"),
-            *session.posargs,
         )
 
 

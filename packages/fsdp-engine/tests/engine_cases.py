@@ -8,13 +8,13 @@ AdamW + clip_grad_norm_, the losses and every parameter must agree.
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from models import Config, Decoder, loss_fn
+from model import Config, Decoder, loss_fn
+from profiling import engine_copies, peak_live_bytes
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -536,27 +536,6 @@ def _assert_state_equal(got: dict[str, Any], expected: dict[str, Any]) -> None:
             assert torch.equal(got["optim"]["state"][fqn][key], value), (fqn, key)
 
 
-def peak_live_bytes(fn: Callable[[], object]) -> int:
-    """Peak bytes of tensors allocated (and still live) while `fn` runs, from the profiler.
-
-    The torch profiler records every CPU allocation and free ("[memory]" events); the running
-    sum of their sizes, in time order, peaks at the most memory `fn` held at once.
-    """
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    # Each allocation and free is a "[memory]" event with its size (negative for frees).
-    assert prof.profiler is not None
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    events.sort(key=lambda e: e.start_ns())
-    live = peak = 0
-    for event in events:
-        live += event.nbytes()
-        peak = max(peak, live)
-    return peak
-
-
 def check_meta_init() -> dict[str, int]:
     """Meta-device model -> fully_shard -> to_empty -> init: peak memory is about one shard.
 
@@ -599,69 +578,16 @@ def check_meta_init() -> dict[str, int]:
     return {"peak": peak, "shard_bytes": shard_bytes, "model_bytes": model_bytes}
 
 
-_COPY_OPS = (
-    "aten::copy_",
-    "aten::cat",
-    "aten::_chunk_cat",
-    "aten::split_with_sizes_copy",
-    "aten::clone",
-    "aten::_to_copy",
-    "fsdp::split_with_sizes_copy",
-    "fsdp::chunk_cat",
-    "fsdp::all_gather_copy_in",
-)
-
-
-# Collective internals: gloo clones a reduce-scatter's input inside the c10d op and copies an
-# all-gather's result out of its staging buffer when the work is waited on (DBuffer labels
-# that wait). Both engines pay these on gloo, NCCL does not; they are not the engine's copies.
-_BACKEND = ("c10d::", "DBuffer::wait")
-
-
-def _bytes_written(event: Any, itemsize: int = 4) -> int:
-    """Bytes a copy kernel writes, from its recorded shapes (fp32)."""
-    if event.name == "fsdp::all_gather_copy_in":  # writes this rank's slice of the output
-        return int(event.concrete_inputs[3]) * itemsize
-    numels = [math.prod(shape) for shape in event.input_shapes if shape]
-    # copy_(dst, src) and split_with_sizes_copy(all of it) write their largest operand;
-    # chunk_cat writes its `out`, the largest.
-    return max(numels, default=0) * itemsize
-
-
 def check_copies(engine: str) -> dict[str, Any]:
-    """Copy kernels the engine runs in one training step (fp32), under the torch profiler.
-
-    Counted: copy kernels inside the engine's own profiler ranges ("FSDP::*", which both
-    engines use), on the training thread, outside the collectives (`_BACKEND`). gloo's other
-    internal copies run on its own threads and are not counted for either engine.
-    """
-    from torch.profiler import ProfilerActivity, profile
-
+    """Copy kernels the engine runs in one training step (fp32), under the torch profiler."""
     model, opt = _sharded_model(engine, seed=0)
     batches = [b[0] for b in _batches(2, 1)]
     _steps(model, opt, batches[:1])  # warm-up: lazy init, first allocations
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        _steps(model, opt, batches[1:])
-    copies: dict[str, list[int]] = {}
-    for event in prof.events():
-        if event.name not in _COPY_OPS:
-            continue
-        parent, inside = event.cpu_parent, False
-        while parent is not None:
-            if parent.name in _COPY_OPS or parent.name.startswith(_BACKEND):
-                inside = False  # counted at the outer copy, or the backend's own work
-                break
-            if parent.name.startswith("FSDP::"):
-                inside = True
-                break
-            parent = parent.cpu_parent
-        if inside:
-            copies.setdefault(event.name, []).append(_bytes_written(event))
-    param_bytes = sum(p.numel() * 4 for p in model.parameters())
+    copies = engine_copies(lambda: _steps(model, opt, batches[1:]))
     return {
-        "kernels": {name: len(sizes) for name, sizes in copies.items()},
-        "bytes": {name: sum(sizes) for name, sizes in copies.items()},
-        "param_bytes": param_bytes,
+        "kernels": {name: c.kernels for name, c in copies.items()},
+        "bytes": {name: c.bytes for name, c in copies.items()},
+        "param_bytes": sum(p.numel() * 4 for p in model.parameters()),
         "num_params": sum(1 for _ in model.parameters()),
     }
 

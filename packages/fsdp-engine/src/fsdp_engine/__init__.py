@@ -16,16 +16,19 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from fsdp_engine._api import fully_shard, register_fsdp_forward_method
 from fsdp_engine._module import FSDPModule, UnshardHandle
+from fsdp_engine._summary import GroupSummary, sharding_summary
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CPUOffloadPolicy",
     "FSDPModule",
+    "GroupSummary",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "UnshardHandle",
     "__version__",
     "fully_shard",
     "register_fsdp_forward_method",
+    "sharding_summary",
 ]

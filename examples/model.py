@@ -1,4 +1,4 @@
-"""Small models for the engine tests: a Llama-style decoder and a MoE decoder with odd sizes."""
+"""A small Llama-style decoder (RMSNorm, rotary attention, SwiGLU or routed MoE experts)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from torch import nn
 
 @dataclass(frozen=True)
 class Config:
+    """Sizes of the decoder; `num_experts` > 0 replaces each SwiGLU MLP by a routed MoE."""
+
     vocab: int = 37
     dim: int = 20
     num_heads: int = 2
@@ -23,15 +25,19 @@ class Config:
 
 
 class RMSNorm(nn.Module):
+    """Root-mean-square normalization with a learned scale."""
+
     def __init__(self, dim: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalizes the last dim."""
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
 
 
 def rotary(x: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of (..., seq, head_dim)."""
     seq, head_dim = x.shape[-2], x.shape[-1]
     half = head_dim // 2
     freqs = 1.0 / (10000 ** (torch.arange(half, dtype=torch.float32) / half))
@@ -42,6 +48,8 @@ def rotary(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
+    """Causal multi-head self-attention with rotary positions."""
+
     def __init__(self, cfg: Config) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads
@@ -49,6 +57,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Attends over (batch, seq, dim)."""
         b, s, d = x.shape
         q, k, v = self.wqkv(x).view(b, s, 3, self.num_heads, d // self.num_heads).unbind(2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
@@ -58,6 +67,8 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
+    """The gated MLP of Llama."""
+
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
         self.w1 = nn.Linear(dim, hidden, bias=False)
@@ -65,6 +76,7 @@ class SwiGLU(nn.Module):
         self.w2 = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Applies the MLP."""
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
@@ -80,6 +92,7 @@ class MoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Sends each token to its top-k experts and sums their weighted outputs."""
         flat = x.reshape(-1, x.shape[-1])
         weights, chosen = self.router(flat).softmax(-1).topk(self.top_k, dim=-1)
         out = torch.zeros_like(flat)
@@ -91,6 +104,8 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
+    """A pre-norm transformer block."""
+
     def __init__(self, cfg: Config) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim)
@@ -99,11 +114,14 @@ class Block(nn.Module):
         self.mlp: nn.Module = MoE(cfg) if cfg.num_experts else SwiGLU(cfg.dim, cfg.hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Attention then MLP, each with a residual."""
         x = x + self.attn(self.attn_norm(x))
         return x + self.mlp(self.mlp_norm(x))
 
 
 class Decoder(nn.Module):
+    """Embedding, blocks, final norm and an output head (tied to the embedding if asked)."""
+
     def __init__(self, cfg: Config) -> None:
         super().__init__()
         self.embed = nn.Embedding(cfg.vocab, cfg.dim)
@@ -117,6 +135,7 @@ class Decoder(nn.Module):
                 nn.init.normal_(p, std=1 / math.sqrt(p.shape[-1]))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits of (batch, seq) token ids."""
         x = self.embed(tokens)
         for layer in self.layers:
             x = layer(x)

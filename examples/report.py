@@ -1,0 +1,85 @@
+"""Side-by-side table and loss curves of `train.py` runs (one JSON per engine).
+
+python examples/report.py build/demo/ours.json build/demo/fsdp2.json --plot build/demo/loss.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+from typing import Any
+
+ROWS = (
+    ("final train loss", lambda r: f"{r['train'][-1][1]:.4f}"),
+    ("final validation loss", lambda r: f"{r['val'][-1][1]:.4f}"),
+    ("unigram entropy (nats/char)", lambda r: f"{r['unigram_entropy']:.4f}"),
+    ("median step (ms)", lambda r: f"{r['median_step_s'] * 1e3:.1f}"),
+    ("tokens/s", lambda r: f"{r['tokens_per_s']:,.0f}"),
+    ("peak live tensors, one step (MB)", lambda r: f"{r['peak_live_bytes'] / 1e6:.2f}"),
+    ("copy kernels in the engine, one step", lambda r: str(_copies(r)[0])),
+    ("bytes they copy, one step (MB)", lambda r: f"{_copies(r)[1] / 1e6:.2f}"),
+    ("padding in the shards (bytes)", lambda r: f"{r['padding_bytes']:,}"),
+)
+
+
+def _copies(record: dict[str, Any]) -> tuple[int, int]:
+    copies = record.get("copies", {})
+    return sum(c["kernels"] for c in copies.values()), sum(c["bytes"] for c in copies.values())
+
+
+def table(records: list[dict[str, Any]]) -> str:
+    """A markdown table: one column per run."""
+    names = [f"{r['engine']} (W={r['world']})" for r in records]
+    lines = ["| | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(records)]
+    for label, cell in ROWS:
+        lines.append(f"| {label} | " + " | ".join(cell(r) for r in records) + " |")
+    return "\n".join(lines)
+
+
+def plot(records: list[dict[str, Any]], path: pathlib.Path) -> None:
+    """Training and validation loss against the step, one colour per engine."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for record, colour in zip(records, ("tab:blue", "tab:orange", "tab:green"), strict=False):
+        steps, losses = zip(*record["train"], strict=True)
+        ax.plot(steps, losses, color=colour, alpha=0.5, lw=1, label=f"{record['engine']} train")
+        steps, losses = zip(*record["val"], strict=True)
+        ax.plot(steps, losses, "o-", color=colour, label=f"{record['engine']} validation")
+    entropy = records[0]["unigram_entropy"]
+    ax.axhline(entropy, color="grey", ls="--", lw=1, label=f"unigram entropy {entropy:.2f}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross entropy (nats/char)")
+    ax.set_title("Shakespeare, character level")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Prints the table of the given runs and draws their loss curves."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("runs", nargs="+", type=pathlib.Path, help="JSON files of train.py")
+    parser.add_argument("--plot", type=pathlib.Path, help="write the loss curves here (PNG)")
+    args = parser.parse_args(argv)
+    missing = [str(p) for p in args.runs if not p.is_file()]
+    if missing:
+        print(f"report.py: error: no such run file: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    records = [json.loads(p.read_text()) for p in args.runs]
+    print(table(records))
+    if args.plot is not None:
+        plot(records, args.plot)
+        print(f"loss curves: {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,394 @@
+"""Train a small Llama-style decoder on Shakespeare with fsdp_engine or torch FSDP2.
+
+Run it under torchrun (one process per rank; multi-node works unchanged):
+
+    python -m torch.distributed.run --nproc-per-node 2 examples/train.py --engine ours
+
+or let it start its ranks itself on this machine (gloo on CPU):
+
+    python examples/train.py --nproc 2 --engine fsdp2 --steps 100
+
+Every rank draws its share of the same global batch for a step, so the data (and the loss
+curve, up to floating-point summation order) does not depend on the engine or the world size.
+Rank 0 shows a progress bar, writes `<out>/<engine>.json` (losses, timings, memory, copies,
+padding) and prints 300 characters sampled from the trained model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's start/stop lines: errors only
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+
+from model import Config, Decoder, loss_fn
+from profiling import engine_copies, peak_live_bytes
+
+DATA = pathlib.Path(__file__).parent / "data" / "tinyshakespeare.txt"
+MEASURE_STEPS = (3, 4)  # profiled (peak memory, copies), left out of the timings
+
+
+class UsageError(Exception):
+    """Bad input: printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """Bad arguments: one line (`--help` shows the usage), exit status 2."""
+        self.exit(2, f"train.py: error: {message}\n")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line."""
+    parser = _Parser(description=__doc__.split("\n")[0])
+    parser.add_argument("--engine", choices=["ours", "fsdp2"], default="ours")
+    parser.add_argument("--optimizer", choices=["adamw"], default="adamw")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--nproc", type=int, default=0, help="start this many local ranks")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--global-batch", type=int, default=16, help="sequences per step")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--moe", type=int, default=0, help="experts per layer (0: dense)")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--mixed-precision", choices=["none", "bf16"], default="none")
+    parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--data", type=pathlib.Path, default=DATA)
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("build/demo"))
+    parser.add_argument("--checkpoint", type=pathlib.Path, help="save here at the end (DCP)")
+    parser.add_argument("--resume", type=pathlib.Path, help="continue from this checkpoint")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sample-chars", type=int, default=300)
+    return parser.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace, world: int) -> None:
+    """Raises UsageError for input no run can use (before any rank starts work)."""
+    if not args.data.is_file():
+        raise UsageError(f"data file {args.data} does not exist")
+    for name in ("steps", "global_batch", "seq_len", "dim", "layers", "heads", "eval_every"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.global_batch % world:
+        raise UsageError(
+            f"--global-batch {args.global_batch} does not split over {world} ranks: use a "
+            f"multiple of {world} (or fewer ranks)"
+        )
+    if args.dim % args.heads:
+        raise UsageError(f"--dim {args.dim} must be a multiple of --heads {args.heads}")
+    if args.resume is not None and not (args.resume / "meta.json").is_file():
+        raise UsageError(f"--resume {args.resume}: no checkpoint there (no meta.json)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device on this machine")
+
+
+# -- data ---------------------------------------------------------------------------------------
+
+
+class Text:
+    """Character-level tokens of a text file, the last 10% held out for validation."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        text = path.read_text(encoding="utf-8")
+        self.chars = sorted(set(text))
+        index = {c: i for i, c in enumerate(self.chars)}
+        tokens = torch.tensor([index[c] for c in text], dtype=torch.long)
+        split = int(0.9 * len(tokens))
+        self.train, self.val = tokens[:split], tokens[split:]
+
+    def batch(self, split: str, seed: int, step: int, size: int, seq: int) -> torch.Tensor:
+        """The global batch of a step: `size` sequences of seq + 1 tokens (same on every rank)."""
+        data = self.train if split == "train" else self.val
+        if len(data) <= seq + 1:
+            raise UsageError(f"--seq-len {seq} is longer than the {split} split ({len(data)})")
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        starts = torch.randint(0, len(data) - seq - 1, (size,), generator=gen)
+        return torch.stack([data[s : s + seq + 1] for s in starts.tolist()])
+
+    def unigram_entropy(self) -> float:
+        """Entropy (nats per character) of the training split's character frequencies."""
+        counts = torch.bincount(self.train, minlength=len(self.chars)).double()
+        p = counts[counts > 0] / counts.sum()
+        return float(-(p * p.log()).sum())
+
+    def decode(self, ids: list[int]) -> str:
+        """Token ids back to text."""
+        return "".join(self.chars[i] for i in ids)
+
+
+# -- model and engine --------------------------------------------------------------------------
+
+
+def build(args: argparse.Namespace, vocab: int, device: torch.device) -> nn.Module:
+    """The decoder, with each block and then the root sharded by the chosen engine."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    cfg = Config(
+        vocab=vocab,
+        dim=args.dim,
+        num_heads=args.heads,
+        num_layers=args.layers,
+        hidden=int(8 * args.dim / 3 + 63) // 64 * 64,
+        num_experts=args.moe,
+    )
+    torch.manual_seed(args.seed)
+    model = Decoder(cfg).to(device)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mp = MixedPrecisionPolicy()
+    if args.mixed_precision == "bf16":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if args.engine == "ours":
+        from fsdp_engine import fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard  # type: ignore[assignment]
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+def padding_bytes(model: nn.Module, engine: str) -> int:
+    """Bytes of padding in the sharded parameters, over all ranks."""
+    if engine == "ours":
+        from fsdp_engine import sharding_summary
+
+        return sum(g.padding_bytes for g in sharding_summary(model))
+    world = dist.get_world_size()
+    total = 0
+    for p in model.parameters():  # FSDP2: every parameter padded to a multiple of W rows
+        rows = p.shape[0]
+        padded_rows = math.ceil(rows / world) * world
+        total += (padded_rows - rows) * (p.numel() // max(rows, 1)) * p.element_size()
+    return total
+
+
+# -- checkpoints --------------------------------------------------------------------------------
+
+
+def save(directory: pathlib.Path, model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    """Model and optimizer state with torch.distributed.checkpoint, and the step."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, opt)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(directory))
+    if dist.get_rank() == 0:
+        (directory / "meta.json").write_text(json.dumps({"step": step}))
+    dist.barrier()
+
+
+def load(directory: pathlib.Path, model: nn.Module, opt: torch.optim.Optimizer) -> int:
+    """Loads what `save` wrote (any world size, either engine); returns the step."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, opt)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(directory))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return int(json.loads((directory / "meta.json").read_text())["step"])
+
+
+# -- training -----------------------------------------------------------------------------------
+
+
+def evaluate(model: nn.Module, text: Text, args: argparse.Namespace, device: torch.device) -> float:
+    """Mean validation loss over 4 fixed global batches."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per_rank = args.global_batch // world
+    losses = []
+    with torch.no_grad():
+        for index in range(4):
+            batch = text.batch("val", args.seed + 1, index, args.global_batch, args.seq_len)
+            mine = batch[rank * per_rank : (rank + 1) * per_rank].to(device)
+            losses.append(loss_fn(model(mine), mine))
+    value = torch.stack(losses).mean().float()
+    dist.all_reduce(value)
+    return value.item() / world
+
+
+def sample(model: nn.Module, text: Text, num_chars: int, device: torch.device, seq: int) -> str:
+    """Characters sampled at temperature 0.8 (every rank runs it: forward gathers need all)."""
+    gen = torch.Generator().manual_seed(1234)
+    ids = [text.chars.index("\n")]
+    with torch.no_grad():
+        for _ in range(num_chars):
+            context = torch.tensor([ids[-seq:]], device=device)
+            logits = model(context)[0, -1].float().cpu() / 0.8
+            ids.append(int(torch.multinomial(logits.softmax(-1), 1, generator=gen)))
+    return text.decode(ids[1:])
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    """Trains on this rank; returns the run's record (the same on every rank)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(device)
+    text = Text(args.data)
+    model = build(args, len(text.chars), device)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    start = load(args.resume, model, opt) if args.resume is not None else 0
+    per_rank = args.global_batch // world
+    tokens_per_step = args.global_batch * args.seq_len
+    record: dict[str, Any] = {"train": [], "val": [], "step_s": [], "engine": args.engine}
+
+    def step_fn(step: int) -> float:
+        batch = text.batch("train", args.seed, step, args.global_batch, args.seq_len)
+        mine = batch[rank * per_rank : (rank + 1) * per_rank].to(device)
+        loss = loss_fn(model(mine), mine)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        value = loss.detach().float()
+        dist.all_reduce(value)
+        return value.item() / world
+
+    bar = _progress(rank, start, args.steps)
+    for step in range(start, args.steps):
+        measure: Callable[[Callable[[], object]], Any] | None = None
+        if step - start == MEASURE_STEPS[0]:
+            measure = peak_live_bytes
+        elif step - start == MEASURE_STEPS[1]:
+            measure = engine_copies
+        t0 = time.perf_counter()
+        if measure is None:
+            loss = step_fn(step)
+        else:
+            box: list[float] = []
+            result = measure(lambda s=step, out=box: out.append(step_fn(s)))
+            loss = box[0]
+            key = "peak_live_bytes" if measure is peak_live_bytes else "copies"
+            record[key] = (
+                result
+                if key == "peak_live_bytes"
+                else {k: {"kernels": c.kernels, "bytes": c.bytes} for k, c in result.items()}
+            )
+        elapsed = torch.tensor(time.perf_counter() - t0)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+        if measure is None and step - start > 1:  # the first steps warm up
+            record["step_s"].append(elapsed.item())
+        record["train"].append((step + 1, loss))
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            record["val"].append((step + 1, evaluate(model, text, args, device)))
+        if bar is not None:
+            bar.set_postfix(
+                loss=f"{loss:.3f}",
+                tok_s=f"{tokens_per_step / elapsed.item():,.0f}",
+                mem=_memory(device),
+            )
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    if args.checkpoint is not None:
+        args.checkpoint.mkdir(parents=True, exist_ok=True)
+        save(args.checkpoint, model, opt, args.steps)
+    record["sample"] = sample(model, text, args.sample_chars, device, args.seq_len)
+    step_s = statistics.median(record["step_s"]) if record["step_s"] else float("nan")
+    record.update(
+        world=world,
+        tokens_per_s=tokens_per_step / step_s,
+        median_step_s=step_s,
+        padding_bytes=padding_bytes(model, args.engine),
+        unigram_entropy=text.unigram_entropy(),
+        num_params=sum(p.numel() for p in model.parameters()),
+    )
+    return record
+
+
+def _progress(rank: int, start: int, steps: int) -> Any:
+    if rank != 0:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=steps, initial=start, unit="step", dynamic_ncols=True, file=sys.stdout)
+
+
+def _memory(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.max_memory_allocated(device) / 2**20:.0f}MiB"
+    import resource
+
+    return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:.0f}MiB rss"
+
+
+# -- entry points -------------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> None:
+    """One rank's work (torch.distributed is initialized)."""
+    import ragged_placement  # noqa: F401  (RaggedShard support in DTensor, for DCP and ops)
+
+    record = train(args)
+    if dist.get_rank() == 0:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{args.engine}.json").write_text(json.dumps(record, indent=1))
+        final_val = record["val"][-1][1]
+        print(
+            f"{args.engine}: {record['num_params']:,} params, W={record['world']}, "
+            f"final train loss {record['train'][-1][1]:.4f}, val loss {final_val:.4f} "
+            f"(unigram entropy {record['unigram_entropy']:.4f}), "
+            f"{record['median_step_s'] * 1e3:.0f} ms/step, {record['tokens_per_s']:,.0f} tok/s"
+        )
+        print(f"--- sample ({args.engine}) ---\n{record['sample']}\n---")
+
+
+def _spawned(rank: int, world: int, init_file: str, args: argparse.Namespace) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        run(args)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Checks the input, then runs under torchrun or starts `--nproc` local ranks."""
+    args = parse_args(argv)
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world = int(os.environ["WORLD_SIZE"]) if launched else max(args.nproc, 1)
+    try:
+        check_args(args, world)
+        Text(args.data).batch("val", 0, 0, 1, args.seq_len)  # the text is long enough
+    except UsageError as exc:
+        print(f"train.py: error: {exc}", file=sys.stderr)
+        return 2
+    if launched:
+        backend = "nccl" if args.device == "cuda" else "gloo"
+        dist.init_process_group(backend)
+        try:
+            run(args)
+        finally:
+            dist.destroy_process_group()
+        return 0
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_spawned, args=(world, f"{tmp}/rendezvous", args), nprocs=world)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
