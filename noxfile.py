@@ -184,12 +184,13 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def bench(session: nox.Session) -> None:
-    """Run a benchmark: `nox -s bench -- planner|placement|dbuffer [script options]`."""
+    """Run a benchmark: `nox -s bench -- planner|placement|dbuffer|engine [script options]`."""
     which = session.posargs[0] if session.posargs else "planner"
     scripts = {
         "planner": "packages/shard-planner/benchmarks/bench_planner.py",
         "placement": "packages/ragged-placement/benchmarks/bench_placement.py",
         "dbuffer": "packages/dbuffer/benchmarks/bench_dbuffer.py",
+        "engine": "packages/fsdp-engine/benchmarks/bench_engine.py",
     }
     if which not in scripts:
         session.error(f"unknown benchmark {which!r}; valid: {', '.join(scripts)}")
@@ -197,4 +198,5 @@ def bench(session: nox.Session) -> None:
         session.install("-e", "packages/shard-planner")
     else:
         _install_members(session, TORCH_DEFAULT)
+        session.install("matplotlib")
     session.run("python", scripts[which], *session.posargs[1:])

@@ -1,0 +1,215 @@
+"""Training step of fsdp_engine against torch FSDP2, side by side (`nox -s bench -- engine`).
+
+For each case (model x world size x dtype) both engines train the same model on the same data
+in one process group, alternating step by step. Per case it prints the slowest rank's median
+step (forward + backward + optimizer) and the ratio ours / FSDP2, the peak bytes of live
+tensors in one step (profiler memory events, both sides alike), the copy kernels each engine
+runs in one step and their bytes, the bytes all-gathered and reduce-scattered per step
+(`CommCounter`), and the padding. Results go to build/bench/engine.json and engine.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "examples"))
+
+from model import Config, Decoder, loss_fn  # noqa: E402
+from profiling import engine_copies, peak_live_bytes  # noqa: E402
+
+MODELS = {
+    # ~38M parameters: 8 blocks of dim 512, vocab 32000.
+    "dense": Config(vocab=32000, dim=512, num_heads=8, num_layers=8, hidden=1408),
+    # 64 small experts per block, each its own nn.Linears (as many MoE codebases have them).
+    "moe": Config(vocab=32000, dim=384, num_heads=6, num_layers=4, hidden=512, num_experts=64),
+}
+
+
+def _build(name: str, engine: str, dtype: str, mesh: Any) -> tuple[torch.nn.Module, Any]:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    torch.manual_seed(0)
+    model = Decoder(MODELS[name])
+    mp_policy = MixedPrecisionPolicy()
+    if dtype == "bf16":
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if engine == "ours":
+        from fsdp_engine import fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard  # type: ignore[assignment]
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def _padding_bytes(model: torch.nn.Module, engine: str, world: int) -> int:
+    if engine == "ours":
+        from fsdp_engine import sharding_summary
+
+        return sum(g.padding_bytes for g in sharding_summary(model))
+    total = 0
+    for p in model.parameters():
+        rows = p.shape[0]
+        total += (-rows % world) * (p.numel() // rows) * p.element_size()
+    return total
+
+
+def _case(name: str, dtype: str, steps: int, batch: int, seq: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ragged_placement import CommCounter
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,))
+    engines = {e: _build(name, e, dtype, mesh) for e in ("ours", "fsdp2")}
+    vocab = MODELS[name].vocab
+    gen = torch.Generator().manual_seed(rank)
+
+    def step(engine: str) -> None:
+        model, opt = engines[engine]
+        tokens = torch.randint(0, vocab, (batch, seq), generator=gen)
+        loss_fn(model(tokens), tokens).backward()
+        opt.step()
+        opt.zero_grad()
+
+    times: dict[str, list[float]] = {e: [] for e in engines}
+    for index in range(steps + 2):  # two warm-up steps
+        for engine in engines:
+            dist.barrier()
+            t0 = time.perf_counter()
+            step(engine)
+            elapsed = torch.tensor(time.perf_counter() - t0)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank
+            if index >= 2:
+                times[engine].append(elapsed.item())
+    result: dict[str, Any] = {"model": name, "dtype": dtype, "world": world}
+    for engine in engines:
+        model = engines[engine][0]
+        with CommCounter() as counter:
+            step(engine)
+        copies = engine_copies(lambda e=engine: step(e), itemsize=4)
+        result[engine] = {
+            "median_step_s": statistics.median(times[engine]),
+            "peak_live_bytes": peak_live_bytes(lambda e=engine: step(e)),
+            "copy_kernels": sum(c.kernels for c in copies.values()),
+            "copy_bytes": sum(c.bytes for c in copies.values()),
+            "wire_bytes_received": counter.bytes_received,
+            "padding_bytes": _padding_bytes(model, engine, world),
+            "num_params": sum(p.numel() for p in model.parameters()),
+        }
+    result["time_ratio"] = result["ours"]["median_step_s"] / result["fsdp2"]["median_step_s"]
+    result["peak_ratio"] = result["ours"]["peak_live_bytes"] / result["fsdp2"]["peak_live_bytes"]
+    return result
+
+
+def _rank(rank: int, world: int, init: str, args: argparse.Namespace, out: Any) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    import ragged_placement  # noqa: F401
+
+    results = []
+    for name in args.models:
+        for dtype in args.dtypes:
+            results.append(_case(name, dtype, args.steps, args.batch, args.seq))
+            if rank == 0:
+                _print(results[-1])
+    if rank == 0:
+        out.put(results)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)  # interpreter teardown after gloo work can abort spuriously
+
+
+def _print(r: dict[str, Any]) -> None:
+    ours, theirs = r["ours"], r["fsdp2"]
+    print(
+        f"{r['model']:5} {r['dtype']} W={r['world']}: step {ours['median_step_s'] * 1e3:7.1f} / "
+        f"{theirs['median_step_s'] * 1e3:7.1f} ms = {r['time_ratio']:.3f}x | peak live "
+        f"{ours['peak_live_bytes'] / 1e6:7.1f} / {theirs['peak_live_bytes'] / 1e6:7.1f} MB = "
+        f"{r['peak_ratio']:.3f}x | copies {ours['copy_kernels']} kernels "
+        f"{ours['copy_bytes'] / 1e6:.1f} MB / {theirs['copy_kernels']} kernels "
+        f"{theirs['copy_bytes'] / 1e6:.1f} MB | received {ours['wire_bytes_received'] / 1e6:.1f}"
+        f" / {theirs['wire_bytes_received'] / 1e6:.1f} MB | padding {ours['padding_bytes']:,} /"
+        f" {theirs['padding_bytes']:,} B",
+        flush=True,
+    )
+
+
+def _plot(results: list[dict[str, Any]], path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['model']}\n{r['dtype']} W={r['world']}" for r in results]
+    fig, ax = plt.subplots(figsize=(max(6, len(results) * 1.2), 4))
+    xs = range(len(results))
+    ax.bar([x - 0.2 for x in xs], [r["time_ratio"] for r in results], 0.4, label="step time")
+    ax.bar([x + 0.2 for x in xs], [r["peak_ratio"] for r in results], 0.4, label="peak live")
+    ax.axhline(1.0, color="grey", lw=1)
+    ax.set_xticks(list(xs), labels)
+    ax.set_ylabel("ours / FSDP2")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--worlds", default="2,3,4")
+    parser.add_argument("--models", default="dense,moe")
+    parser.add_argument("--dtypes", default="fp32,bf16")
+    parser.add_argument("--steps", type=int, default=7)
+    parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "build" / "bench")
+    args = parser.parse_args(argv)
+    args.models = args.models.split(",")
+    args.dtypes = args.dtypes.split(",")
+    unknown = [m for m in args.models if m not in MODELS]
+    if unknown or args.steps < 7:
+        parser.error(f"models must be among {sorted(MODELS)} and --steps >= 7")
+    for name in args.models:
+        print(f"{name}: {MODELS[name]}")
+    print(f"micro-batch {args.batch} x {args.seq} tokens per rank, AdamW, gloo, 1 thread per rank")
+    results: list[dict[str, Any]] = []
+    ctx = mp.get_context("spawn")
+    for world in (int(w) for w in args.worlds.split(",")):
+        out = ctx.Queue()
+        with tempfile.TemporaryDirectory() as tmp:
+            procs = [
+                ctx.Process(target=_rank, args=(r, world, f"{tmp}/rdzv", args, out))
+                for r in range(world)
+            ]
+            for proc in procs:
+                proc.start()
+            results += out.get()
+            for proc in procs:
+                proc.join()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "engine.json").write_text(json.dumps(results, indent=1))
+    _plot(results, args.out / "engine.png")
+    print(f"wrote {args.out / 'engine.json'} and {args.out / 'engine.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
