@@ -38,6 +38,19 @@ def table(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def agreement(a: dict[str, Any], b: dict[str, Any]) -> str:
+    """How long two runs' training losses stay bit-identical, and how far apart they end."""
+    first, second = dict(a["train"]), dict(b["train"])
+    steps = sorted(set(first) & set(second))
+    same = next((s for s in steps if first[s] != second[s]), None)
+    biggest = max(abs(first[s] - second[s]) for s in steps)
+    until = f"identical up to step {same - 1}" if same else "identical at every step"
+    return (
+        f"training losses of {a['engine']} and {b['engine']}: {until}; largest difference "
+        f"{biggest:.2e} (floating-point summation order, amplified by training)"
+    )
+
+
 def plot(records: list[dict[str, Any]], path: pathlib.Path) -> None:
     """Training and validation loss against the step, one colour per engine."""
     import matplotlib
@@ -75,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     records = [json.loads(p.read_text()) for p in args.runs]
     print(table(records))
+    if len(records) == 2:
+        print(agreement(records[0], records[1]))
     if args.plot is not None:
         plot(records, args.plot)
         print(f"loss curves: {args.plot}")

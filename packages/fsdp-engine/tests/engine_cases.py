@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from model import Config, Decoder, loss_fn
 from profiling import engine_copies, peak_live_bytes
+from rank_pool import expect_error as _expect
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -325,15 +326,6 @@ def _grads_after_backward(model: nn.Module, tokens: torch.Tensor) -> dict[str, t
     for p in model.parameters():
         p.grad = None
     return grads
-
-
-def _expect(error: type[BaseException], fn: Callable[[], object], match: str) -> None:
-    try:
-        fn()
-    except error as exc:
-        assert match in str(exc), f"expected {match!r} in {exc}"
-    else:
-        raise AssertionError(f"expected {error.__name__} matching {match!r}")
 
 
 def check_bad_input() -> None:
