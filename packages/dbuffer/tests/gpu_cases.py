@@ -19,13 +19,12 @@ def check_nccl_unshard_and_reduce_scatter() -> None:
     buf = DBuffer(tensors, mesh, block_rows=2)
     for dtype in (None, torch.bfloat16):
         handle = buf.unshard(dtype=dtype, async_op=True)
-        busy = torch.randn(256, 256, device="cuda") @ torch.randn(256, 256, device="cuda")
+        torch.randn(256, 256, device="cuda") @ torch.randn(256, 256, device="cuda")
         handle.wait()
         for name, t in tensors:
             expected = t if dtype is None else t.to(dtype)
             assert torch.equal(buf.full(name, dtype=dtype), expected), (name, dtype)
         buf.reshard()
-        assert torch.isfinite(busy).all()
     for name in buf.names:
         buf.accumulate_grad(name, torch.full(shapes[name], float(rank + 1), device="cuda"))
     buf.reduce_scatter(op="avg", async_op=True).wait()

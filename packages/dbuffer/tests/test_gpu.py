@@ -52,7 +52,8 @@ def test_reshard_frees_exactly_the_global_buffer(mesh: DeviceMesh, no_record_str
     unsharded = torch.cuda.memory_allocated()
     buf.reshard()
     nbytes = buf.layout.buffer_numel * 4
-    assert unsharded - torch.cuda.memory_allocated() >= nbytes
+    # The caching allocator rounds each block up to a multiple of 512 bytes.
+    assert unsharded - torch.cuda.memory_allocated() == -(-nbytes // 512) * 512
     with pytest.raises(RuntimeError, match="unsharded tensor 'w' is freed"):
         view.sum()
     buf.unshard().wait()

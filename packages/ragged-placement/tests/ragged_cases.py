@@ -102,8 +102,7 @@ def check_redistribute(
     if world > 1 and old != new:
         assert type(pending.to_local()).__name__ == "AsyncCollectiveTensor"
     flat = full.float().reshape(full.shape[0], -1)
-    busy = (flat @ flat.T).sum()  # work overlapping the collective
-    assert torch.isfinite(busy)
+    (flat @ flat.T).sum()  # work overlapping the collective
     assert torch.equal(pending.to_local(), moved.to_local())
     assert torch.equal(dt.redistribute(mesh, [Replicate()], async_op=True).full_tensor(), full)
 
@@ -165,7 +164,7 @@ def check_redistribute(
 
 
 def check_counter_sees_torch_collectives(rows: int) -> None:
-    mesh, rank, world = _mesh(), dist.get_rank(), dist.get_world_size()
+    mesh, world = _mesh(), dist.get_world_size()
     full = _full((rows, 4), seed=9)
     dt = distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None)
     with CommCounter() as comms:
@@ -175,7 +174,6 @@ def check_counter_sees_torch_collectives(rows: int) -> None:
         assert comms.collectives[0].op.startswith("_c10d_functional")
         assert comms.collectives[0].group_size == world
         assert comms.bytes_received == dt.to_local().numel() * 4 * (world - 1)
-    assert rank < world
 
 
 def check_one_hot_gather(shape: tuple[int, ...], owner: int) -> dict[str, int]:

@@ -392,21 +392,46 @@ class DBuffer:
             handle.wait()
         return handle
 
-    def all_reduce(self, *, op: Literal["avg", "sum"] = "avg", async_op: bool = False) -> Handle:
+    def all_reduce(
+        self,
+        *,
+        op: Literal["avg", "sum"] = "avg",
+        reduce_dtype: torch.dtype | None = None,
+        async_op: bool = False,
+    ) -> Handle:
         """Reduces `local_grad` over the replicate axis (HSDP); a no-op without one.
+
+        Args:
+            op: "avg" or "sum" over the replicate axis.
+            reduce_dtype: Reduce in this dtype (e.g. float32 for bf16 gradients): one cast
+                of the S-element shard into a temporary and one back after the reduce.
+            async_op: Return before the collective completes.
+
+        Returns:
+            A Handle; `local_grad` holds the result after `wait()`.
 
         Example:
             >>> buf.reduce_scatter().wait(); buf.all_reduce().wait()  # doctest: +SKIP
         """
         if op not in _OPS:
             raise ValueError(f"op must be one of {sorted(_OPS)}, got {op!r}")
+        reduce_dtype = check_dtype("reduce_dtype", reduce_dtype)
         self._wait_reduce()
         if self.replicate_dim is None or self.mesh.size(self.replicate_dim) == 1:
             return Handle()
         group = self.mesh.get_group(self.replicate_dim)
+        cast = reduce_dtype not in (None, self.dtype)
+        target = self.local_grad.to(reduce_dtype) if cast else self.local_grad
         with record_function("DBuffer::all_reduce"):
-            work = dist.all_reduce(self.local_grad, op=_OPS[op], group=group, async_op=async_op)
-        return Handle([work], device=self.device, event=record_event(self.device))
+            work = dist.all_reduce(target, op=_OPS[op], group=group, async_op=async_op)
+        alloc_stream = current_stream(self.device)
+
+        def finish() -> None:
+            if cast:
+                self.local_grad.copy_(target)
+                free_storage(target, alloc_stream)
+
+        return Handle([work], device=self.device, event=record_event(self.device), then=finish)
 
     # -- moving the storage -------------------------------------------------------------------
 

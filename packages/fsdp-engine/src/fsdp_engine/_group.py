@@ -17,6 +17,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -89,7 +90,7 @@ class ParamGroup:
     _unshard_handles: list[Handle] = field(default_factory=list)
     _pending_reduce: _PendingReduce | None = None
     _received: set[ManagedParam] = field(default_factory=set)  # got a gradient since the reduce
-    _reduce_op: str = "avg"
+    _reduce_op: Literal["avg", "sum"] = "avg"
     # The parameters as given to fully_shard (weakly): a later call that meets one of them
     # (a weight tied across groups) raises instead of sharding it twice.
     originals: weakref.WeakSet[nn.Parameter] = field(default_factory=weakref.WeakSet)
@@ -217,7 +218,9 @@ class ParamGroup:
             with record_function(f"FSDP::wait_for_reduce({self.label})"):
                 handle.wait()
             if self.settings.requires_all_reduce and buffer.replicate_dim is not None:
-                buffer.all_reduce(op="sum" if self._reduce_op == "sum" else "avg").wait()
+                buffer.all_reduce(
+                    op=self._reduce_op, reduce_dtype=self.mp_policy.reduce_dtype
+                ).wait()
             if self.settings.all_reduce_hook is not None:
                 self.settings.all_reduce_hook(buffer.local_grad)
             old = pending.saved.get(buffer)
