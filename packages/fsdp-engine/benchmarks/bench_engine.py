@@ -56,6 +56,10 @@ def _build(name: str, engine: str, dtype: str, mesh: Any) -> tuple[torch.nn.Modu
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    if engine == "fsdp2" and MODELS[name].num_experts:
+        # Ranks route tokens to different experts; without this FSDP2's reduce-scatters
+        # differ in size across ranks ("collective mismatch"). Ours needs no setting.
+        model.set_reduce_scatter_unused_params(True)  # type: ignore[operator]
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
