@@ -10,15 +10,50 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch.profiler import ProfilerActivity, profile
 
 
-def peak_live_bytes(fn: Callable[[], object]) -> int:
+def live_tensor_bytes() -> int:
+    """Bytes of the distinct storages of every tensor Python can reach now (CPU and CUDA).
+
+    DTensors count their local tensor; freed (resized-to-zero) storages count nothing.
+    """
+    import gc
+
+    from torch.distributed.tensor import DTensor
+
+    storages: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if not isinstance(obj, torch.Tensor) or obj.is_meta:
+            continue
+        tensor = obj.to_local() if isinstance(obj, DTensor) else obj
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # other wrapper subclasses
+            continue
+        if storage.nbytes():
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def peak_live_bytes(fn: Callable[[], object], *, include_live: bool = False) -> int:
     """Peak bytes of tensors allocated (and still live) while `fn` runs, from the profiler.
 
     The torch profiler records every CPU allocation and free ("[memory]" events); the running
-    sum of their sizes, in time order, peaks at the most memory `fn` held at once.
+    sum of their sizes, in time order, peaks at the most memory `fn` held at once beyond what
+    was live when it started.
+
+    Args:
+        fn: The work to measure.
+        include_live: Add the bytes live at the start (`live_tensor_bytes()`), so that the
+            result is the absolute peak: an engine that keeps buffers across steps (FSDP2
+            keeps its last reduce-scatter input) and frees them inside `fn` is not flattered.
+
+    Returns:
+        The peak, in bytes.
     """
+    start = live_tensor_bytes() if include_live else 0
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     # Each allocation and free is a "[memory]" event with its size (negative for frees).
@@ -29,7 +64,7 @@ def peak_live_bytes(fn: Callable[[], object]) -> int:
     for event in events:
         live += event.nbytes()
         peak = max(peak, live)
-    return peak
+    return start + peak
 
 
 _COPY_OPS = (

@@ -17,6 +17,7 @@ padding) and prints 300 characters sampled from the trained model.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -267,7 +268,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     for step in range(start, args.steps):
         measure: Callable[[Callable[[], object]], Any] | None = None
         if step - start == MEASURE_STEPS[0]:
-            measure = peak_live_bytes
+            measure = functools.partial(peak_live_bytes, include_live=True)
         elif step - start == MEASURE_STEPS[1]:
             measure = engine_copies
         t0 = time.perf_counter()
@@ -277,7 +278,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             box: list[float] = []
             result = measure(lambda s=step, out=box: out.append(step_fn(s)))
             loss = box[0]
-            key = "peak_live_bytes" if measure is peak_live_bytes else "copies"
+            key = "copies" if measure is engine_copies else "peak_live_bytes"
             record[key] = (
                 result
                 if key == "peak_live_bytes"

@@ -3,7 +3,8 @@
 For each case (model x world size x dtype) both engines train the same model on the same data
 in one process group, alternating step by step. Per case it prints the slowest rank's median
 step (forward + backward + optimizer) and the ratio ours / FSDP2, the peak bytes of live
-tensors in one step (profiler memory events, both sides alike), the copy kernels each engine
+tensors in one step (what was live at its start plus the profiler's memory events, both
+sides alike), the copy kernels each engine
 runs in one step and their bytes, the bytes all-gathered and reduce-scattered per step
 (`CommCounter`), and the padding. Results go to build/bench/engine.json and engine.png.
 """
@@ -111,7 +112,7 @@ def _case(name: str, dtype: str, steps: int, batch: int, seq: int) -> dict[str, 
         copies = engine_copies(lambda e=engine: step(e), itemsize=4)
         result[engine] = {
             "median_step_s": statistics.median(times[engine]),
-            "peak_live_bytes": peak_live_bytes(lambda e=engine: step(e)),
+            "peak_live_bytes": peak_live_bytes(lambda e=engine: step(e), include_live=True),
             "copy_kernels": sum(c.kernels for c in copies.values()),
             "copy_bytes": sum(c.bytes for c in copies.values()),
             "wire_bytes_received": counter.bytes_received,
