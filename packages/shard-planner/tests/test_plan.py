@@ -206,3 +206,13 @@ def test_bad_specs() -> None:
         plan_layout([("a", 4)], world_size=2)  # type: ignore[list-item]
     with pytest.raises(ValueError, match=r"names must be unique.*'a'"):
         plan_layout([TensorSpec("a", 4), TensorSpec("a", 5)], world_size=2)
+
+
+def test_lower_bound_rejects_a_zero_world_or_alignment() -> None:
+    specs = [TensorSpec("w", 10)]
+    with pytest.raises(ValueError, match="world_size must be >= 1, got 0"):
+        lower_bound(specs, 0)
+    with pytest.raises(ValueError, match="align must be >= 1, got 0"):
+        lower_bound(specs, 2, align=0)
+    with pytest.raises(TypeError, match="world_size must be an int"):
+        lower_bound(specs, 2.0)  # type: ignore[arg-type]

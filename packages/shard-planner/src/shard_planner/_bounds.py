@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from shard_planner._spec import TensorSpec
+from shard_planner._spec import TensorSpec, check_count
 
 
 def ceil_to(value: int, multiple: int) -> int:
@@ -35,6 +35,8 @@ def lower_bound(specs: Sequence[TensorSpec], world_size: int, *, align: int = 1)
         >>> lower_bound([TensorSpec("w", 1000, block=300)], world_size=4)
         300
     """
+    world_size = check_count("lower_bound world_size", world_size, 1)
+    align = check_count("lower_bound align", align, 1)
     total = sum(s.numel for s in specs)
     if total == 0:
         return 0
