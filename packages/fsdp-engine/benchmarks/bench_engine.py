@@ -172,7 +172,7 @@ def _plot(results: list[dict[str, Any]], path: pathlib.Path) -> None:
     ax.axhline(1.0, color="grey", lw=1)
     ax.set_xticks(list(xs), labels)
     ax.set_ylabel("ours / FSDP2")
-    ax.legend()
+    ax.legend(loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
