@@ -160,22 +160,20 @@ class FSDPState:
     def _forward_targets(self) -> list[FSDPState]:
         if self.forward_prefetch is not None:
             return self.forward_prefetch
-        context = self.context
-        if context is None or not context.order_frozen:
-            return []
-        order = context.forward_order
-        index = order.index(self) if self in order else -1
-        return order[index + 1 : index + 2] if index >= 0 else []
+        return self._neighbour(+1)  # the next group in forward order
 
     def _backward_targets(self) -> list[FSDPState]:
         if self.backward_prefetch is not None:
             return self.backward_prefetch
+        return self._neighbour(-1)  # backward runs the groups in reverse
+
+    def _neighbour(self, offset: int) -> list[FSDPState]:
+        """The group `offset` places away in the recorded forward order (none before it is)."""
         context = self.context
-        if context is None or not context.order_frozen:
+        if context is None or not context.order_frozen or self not in context.forward_order:
             return []
-        order = context.forward_order
-        index = order.index(self) if self in order else 0
-        return order[index - 1 : index] if index > 0 else []
+        index = context.forward_order.index(self) + offset
+        return context.forward_order[index : index + 1] if index >= 0 else []
 
     @staticmethod
     def _prefetch(targets: Sequence[FSDPState], when: str) -> None:
