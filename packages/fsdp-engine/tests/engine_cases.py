@@ -708,6 +708,23 @@ def check_schedule_setters() -> None:
     backward(model, batches[1])
     _assert_grads_equal(_grads(model), expected)
 
+    # Zeroing some sharded gradients between backwards: those restart, the others add up.
+    model, _ = _sharded_model("ours", seed=0)
+    backward(model, batches[0])
+    first = _grads(model)
+    names = list(first)
+    dropped = set(names[::2])
+    for name, param in model.named_parameters():
+        if name in dropped:
+            param.grad = None
+    backward(model, batches[1])
+    single, _ = _sharded_model("ours", seed=0)
+    backward(single, batches[1])
+    second_only = _grads(single)
+    mixed = {n: second_only[n] if n in dropped else expected[n] for n in names}
+    _assert_grads_equal(_grads(model), mixed)
+    assert all(not torch.equal(expected[n], second_only[n]) for n in dropped)
+
     # set_reduce_scatter_max_input_buffers: more reduces in flight, the same gradients.
     model, _ = _sharded_model("ours", seed=0)
     model.set_reduce_scatter_max_input_buffers(3)

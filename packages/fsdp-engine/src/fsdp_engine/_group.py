@@ -177,11 +177,12 @@ class ParamGroup:
             members = [p for p in self.params if p.buffer is buffer and p.requires_grad]
             kept = [p for p in members if p.sharded.grad is not None]
             if kept:
-                old = buffer.local_grad.clone()
+                # Zeroed first (the reduce overwrites local_grad anyway) so that what is
+                # added back holds only the gradients the user kept.
                 for param in members:
                     if param.sharded.grad is None:
                         buffer.sharded_grad(param.name).to_local().zero_()
-                saved[buffer] = old
+                saved[buffer] = buffer.local_grad.clone()
         settings = self.settings
         factor = settings.divide_factor
         if factor is None and settings.force_sum_reduction:
