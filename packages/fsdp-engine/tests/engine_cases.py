@@ -409,6 +409,13 @@ def check_bad_input() -> None:
     _expect(TypeError, lambda: layered.layers[0].set_requires_gradient_sync(1), "bool")
     _expect(ValueError, lambda: layered.layers[0].set_gradient_divide_factor(0), "> 0")
     _expect(TypeError, lambda: fully_shard(3, mesh=mesh), "nn.Modules")  # type: ignore[call-overload]
+    _expect(TypeError, lambda: fsdp_engine.sharding_summary("model"), "nn.Module")  # type: ignore[arg-type]
+    summary = fsdp_engine.sharding_summary(layered)
+    assert sum(g.numel for g in summary) == sum(p.numel() for p in layered.layers[0].parameters())
+    assert all(g.num_ranks == world and g.padding >= 0 for g in summary), summary
+    _expect(
+        ValueError, lambda: fsdp_engine.GroupSummary("m", torch.float32, 1, 10, 2, 4), "cannot hold"
+    )
     # mesh=None: a 1-D mesh over the default process group.
     default = fully_shard(fresh())
     group = default._fsdp_engine_state.group

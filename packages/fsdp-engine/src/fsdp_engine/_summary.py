@@ -61,6 +61,8 @@ def sharding_summary(module: nn.Module) -> list[GroupSummary]:
         >>> sum(g.padding_bytes for g in groups)  # doctest: +SKIP
         0
     """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"sharding_summary takes an nn.Module, got {type(module).__name__}")
     out: list[GroupSummary] = []
     seen: set[int] = set()
     for sub in module.modules():
