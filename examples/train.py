@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import math
 import os
@@ -353,14 +354,32 @@ def run(args: argparse.Namespace) -> None:
         print(f"--- sample ({args.engine}) ---\n{record['sample']}\n---")
 
 
+def _run_then_shut_down(args: argparse.Namespace) -> None:
+    try:
+        run(args)
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    # The model is cyclic garbage (modules and their hooks) that holds the process group and
+    # tensors gloo's worker threads touched last. Left to interpreter shutdown, freeing those
+    # tensors takes the GIL while the interpreter is being torn down: SIGABRT ("terminate called
+    # without an active exception"), now and then. Free them now, and let no rank leave while
+    # another still talks to it.
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _spawned(rank: int, world: int, init_file: str, args: argparse.Namespace) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        run(args)
-    finally:
-        dist.destroy_process_group()
+    _run_then_shut_down(args)
+    # A spawned rank has nothing left to tear down; skipping interpreter shutdown also skips
+    # any gloo worker-thread cleanup that could still abort it (see above).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -377,10 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     if launched:
         backend = "nccl" if args.device == "cuda" else "gloo"
         dist.init_process_group(backend)
-        try:
-            run(args)
-        finally:
-            dist.destroy_process_group()
+        _run_then_shut_down(args)
         return 0
     import tempfile
 
