@@ -40,8 +40,8 @@ def rotary(x: torch.Tensor) -> torch.Tensor:
     """Rotary position embedding of (..., seq, head_dim)."""
     seq, head_dim = x.shape[-2], x.shape[-1]
     half = head_dim // 2
-    freqs = 1.0 / (10000 ** (torch.arange(half, dtype=torch.float32) / half))
-    angles = torch.arange(seq, dtype=torch.float32)[:, None] * freqs[None]
+    freqs = 1.0 / (10000 ** (torch.arange(half, dtype=torch.float32, device=x.device) / half))
+    angles = torch.arange(seq, dtype=torch.float32, device=x.device)[:, None] * freqs[None]
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     x1, x2 = x[..., :half], x[..., half : 2 * half]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos, x[..., 2 * half :]], dim=-1)

@@ -285,7 +285,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 if key == "peak_live_bytes"
                 else {k: {"kernels": c.kernels, "bytes": c.bytes} for k, c in result.items()}
             )
-        elapsed = torch.tensor(time.perf_counter() - t0)
+        elapsed = torch.tensor(time.perf_counter() - t0, device=device)  # NCCL: on the GPU
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
         if measure is None and step - start > 1:  # the first steps warm up
             record["step_s"].append(elapsed.item())

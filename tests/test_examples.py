@@ -76,3 +76,18 @@ def test_engines_agree_and_resume_on_another_world_size(tmp_path) -> None:
     engines = max(abs(full[s] - theirs[s]) for s in range(1, 25))
     resume = max(abs(full[s] - after[s]) for s in range(13, 25))
     print(f"max loss difference: ours vs FSDP2 {engines:.2e}, resumed on 3 ranks {resume:.2e}")
+
+
+@pytest.mark.parametrize("num_experts", [0, 4])
+def test_model_builds_every_tensor_on_the_input_device(num_experts) -> None:
+    # The meta device stands in for CUDA here: an op mixing it with a CPU tensor fails the same
+    # way ("Expected all tensors to be on the same device"). MoE routing's nonzero needs the
+    # meta kernel that assumes every element is nonzero.
+    import torch
+    import torch.fx.experimental._config as fx_config
+    from model import Config, Decoder
+
+    model = Decoder(Config(num_experts=num_experts)).to("meta")
+    tokens = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    with fx_config.patch(meta_nonzero_assume_all_nonzero=True):
+        assert model(tokens).shape == (2, 8, Config().vocab)

@@ -220,6 +220,42 @@ def check_autograd(shape: tuple[int, ...], units: tuple[int, ...]) -> None:
     assert torch.equal(z.grad.full_tensor(), torch.full_like(full, 2.0))
 
 
+def check_from_local_autograd(shape: tuple[int, ...], units: tuple[int, ...]) -> int:
+    """Autograd through `DTensor.from_local` of a RaggedShard (and into one), every pair.
+
+    Returns the number of (source, target) pairs checked, so the caller can see none was skipped.
+    """
+    mesh = _mesh()
+    full = _full(shape, seed=7)
+    weights = _full(shape, seed=8)
+    ragged = RaggedShard((0,), units)
+    reversed_ragged = RaggedShard((0,), tuple(reversed(units)))
+    sources = [ragged, reversed_ragged, Shard(0)]
+    targets = [Replicate(), Shard(0), ragged, reversed_ragged]
+    checked = 0
+    for source, target in itertools.product(sources, targets):
+        if not any(isinstance(p, RaggedShard) for p in (source, target)):
+            continue
+        piece = distribute_tensor(full, mesh, [source], src_data_rank=None).to_local()
+        local = piece.clone().requires_grad_()
+        dt = DTensor.from_local(local, mesh, [source], shape=full.shape, stride=full.stride())
+        out = dt.redistribute(mesh, [target]).full_tensor()
+        torch.testing.assert_close(out, full)
+        (out * weights).sum().backward()
+        expected = distribute_tensor(weights, mesh, [source], src_data_rank=None).to_local()
+        assert local.grad is not None, (source, target)
+        pair = f"{source}->{target}"
+        torch.testing.assert_close(local.grad, expected, msg=lambda m, pair=pair: f"{pair}: {m}")
+        checked += 1
+    # The reported failure: a whole-tensor sum of a RaggedShard DTensor made from a local piece.
+    local = distribute_tensor(full, mesh, [ragged], src_data_rank=None).to_local()
+    local = local.clone().requires_grad_()
+    DTensor.from_local(local, mesh, [ragged], shape=full.shape).sum().full_tensor().backward()
+    assert local.grad is not None
+    torch.testing.assert_close(local.grad, torch.ones_like(local))
+    return checked + 1
+
+
 # -- ops -------------------------------------------------------------------------------------
 
 

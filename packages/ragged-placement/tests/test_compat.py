@@ -1,32 +1,139 @@
-"""The torch hooks: version guard and installation, on the torch version under test."""
+"""The torch hooks: version guard, installation and redirection, on the torch version under test."""
+
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 import torch.distributed.tensor as dtensor_pkg
+import torch.distributed.tensor._api as dtensor_api
+import torch.distributed.tensor._dispatch as dtensor_dispatch
 import torch.distributed.tensor._redistribute as dtensor_redistribute
 
-import ragged_placement  # noqa: F401  (installs the hooks)
+import ragged_placement
 from ragged_placement import _compat
 
 
-def test_running_torch_is_supported_and_hooks_are_installed() -> None:
-    assert _compat.torch_version() in _compat.SUPPORTED_TORCH, torch.__version__
-    # Each hook wraps torch's original (functools.wraps keeps the original reachable).
-    for fn in (
-        dtensor_redistribute.redistribute_local_tensor,
-        dtensor_pkg.distribute_tensor,
-        dtensor_pkg.DTensor.from_local,
-    ):
-        assert hasattr(fn, "__wrapped__"), fn
+def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**__import__("os").environ, **env},
+    )
 
 
-def test_unsupported_version_is_refused(monkeypatch) -> None:
-    monkeypatch.setattr(torch, "__version__", "2.99.0")
-    with pytest.raises(ImportError, match=r"supports torch 2\.13, 2\.14; found torch 2\.99\.0"):
-        _compat.check_torch_version()
+def test_running_torch_is_supported_and_exported() -> None:
+    assert _compat.torch_version() in ragged_placement.SUPPORTED_TORCH, torch.__version__
+    ragged_placement.check_torch_version("anything")  # returns quietly
+
+
+def test_every_binding_of_a_redirected_function_reaches_the_wrapper() -> None:
+    # torch's own modules bind redistribute_local_tensor by name; all see the same function,
+    # which now forwards to the wrapper, and the wrapper's original is the untouched code.
+    redistribute = dtensor_redistribute.redistribute_local_tensor
+    assert dtensor_dispatch.redistribute_local_tensor is redistribute
+    assert dtensor_api.redistribute_local_tensor is redistribute
+    assert dtensor_pkg.distribute_tensor is dtensor_api.distribute_tensor
+    for fn in (redistribute, dtensor_api.distribute_tensor, dtensor_pkg.DTensor.from_local):
+        assert fn.__code__.co_filename.startswith("<ragged_placement forwarding"), fn
+        assert fn.__wrapped__.__code__.co_filename.endswith(".py"), fn  # torch's own source
+
+
+def test_redirect_keeps_signature_defaults_and_identity() -> None:
+    namespace: dict[str, object] = {}
+    exec(
+        "def f(a, /, b, c=3, *args, d, e=5, **kw):\n    return (a, b, c, args, d, e, kw)\n",
+        namespace,
+    )
+    f = namespace["f"]
+    before = f
+    _compat.redirect(f, lambda original: lambda *a, **k: ("wrapped", original(*a, **k)))
+    assert namespace["f"] is before
+    assert f(1, 2, d=4) == ("wrapped", (1, 2, 3, (), 4, 5, {}))
+    assert f(1, 2, 9, 8, d=4, e=6, z=7) == ("wrapped", (1, 2, 9, (8,), 4, 6, {"z": 7}))
+    with pytest.raises(TypeError):
+        f(a=1, b=2, d=4)  # a stays positional-only
+
+
+def test_redirect_refuses_a_closure() -> None:
+    def outer() -> object:
+        x = 1
+        return lambda: x
+
+    with pytest.raises(ImportError, match=r"on torch .*no longer a plain function"):
+        _compat.redirect(outer(), lambda original: original)  # type: ignore[arg-type]
+
+
+def test_unsupported_version_is_refused_at_import_unless_allowed() -> None:
+    code = """
+        import torch
+        torch.__version__ = "2.99.0"
+        import ragged_placement
+        print("imported")
+    """
+    refused = _python(code)
+    assert refused.returncode != 0
+    assert (
+        "ImportError: ragged_placement supports torch 2.13, 2.14; found torch 2.99.0; "
+        "set RAGGED_PLACEMENT_ALLOW_UNTESTED_TORCH=1 to try it anyway" in refused.stderr
+    ), refused.stderr
+    allowed = _python(code, RAGGED_PLACEMENT_ALLOW_UNTESTED_TORCH="1")
+    assert allowed.returncode == 0 and "imported" in allowed.stdout, allowed.stderr
+    assert "allowed by RAGGED_PLACEMENT_ALLOW_UNTESTED_TORCH=1" in allowed.stderr
+
+
+def test_a_missing_torch_internal_fails_at_import_naming_the_version() -> None:
+    result = _python(
+        """
+        import torch.distributed.tensor._sharding_prop as sp
+        del sp.ShardingPropagator.propagate
+        import ragged_placement
+        """
+    )
+    assert result.returncode != 0
+    assert "ImportError: ragged_placement cannot install its DTensor hooks on torch" in (
+        result.stderr
+    ), result.stderr
+    assert "propagate" in result.stderr, result.stderr
 
 
 def test_install_is_idempotent() -> None:
-    before = dtensor_redistribute.redistribute_local_tensor
+    before = dtensor_redistribute.redistribute_local_tensor.__wrapped__
     _compat.install(object())  # type: ignore[arg-type]  (already installed: returns at once)
-    assert dtensor_redistribute.redistribute_local_tensor is before
+    assert dtensor_redistribute.redistribute_local_tensor.__wrapped__ is before
+
+
+def test_names_bound_before_the_import_work_with_ragged_shard(tmp_path) -> None:
+    # A user's module that binds torch's entry points before ragged_placement is imported.
+    result = _python(
+        f"""
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+        from torch.distributed.tensor._redistribute import redistribute_local_tensor
+        from_local = DTensor.from_local
+
+        import ragged_placement
+        from ragged_placement import RaggedShard
+
+        dist.init_process_group("gloo", init_method="file://{tmp_path}/rdv", rank=0, world_size=1)
+        mesh = dist.device_mesh.init_device_mesh("cpu", (1,))
+        full = torch.arange(12.0).reshape(4, 3)
+        placement = RaggedShard((0,), (1,))
+        dt = distribute_tensor(full, mesh, [placement])
+        assert dt.placements == (placement,), dt.placements
+        local = dt.to_local().clone().requires_grad_()
+        again = from_local(local, mesh, [placement], shape=full.shape)
+        assert torch.equal(again.redistribute(mesh, [Replicate()]).to_local(), full)
+        again.sum().full_tensor().backward()
+        assert torch.equal(local.grad, torch.ones_like(local))
+        from torch.distributed.tensor import _dispatch
+        assert redistribute_local_tensor is _dispatch.redistribute_local_tensor
+        dist.destroy_process_group()
+        print("ok")
+        """
+    )
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]

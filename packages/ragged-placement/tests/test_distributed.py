@@ -74,6 +74,13 @@ def test_autograd(pools, world) -> None:
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
+def test_autograd_through_from_local_every_placement_pair(pools, world) -> None:
+    for units in UNITS[world]:
+        checked = pools[world].run(cases.check_from_local_autograd, (2 * sum(units), 3), units)
+        assert checked == [11] * world, checked  # 3 sources x 4 targets, less Shard->Shard, + 1
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
 def test_elementwise_and_foreach_ops(pools, world) -> None:
     for units in UNITS[world]:
         for dtype in ("fp32", "bf16"):

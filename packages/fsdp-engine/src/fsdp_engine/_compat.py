@@ -1,9 +1,10 @@
-"""Every touch of a torch internal in fsdp_engine lives here, behind a version guard.
+"""Every touch of a torch internal in fsdp_engine lives here, behind ragged_placement's guard.
 
 - `queue_backward_callback(fn)`: `Variable._execution_engine.queue_callback`, which runs `fn`
   once the current backward pass has finished (the engine's end-of-backward work: reduce the
   groups no hook reached, wait for the reduce-scatters, hand out the sharded gradients).
-Tested on torch 2.13 and 2.14 (`nox -s tests`); other versions are refused at import.
+Tested on the torch versions `ragged_placement.SUPPORTED_TORCH` names; others are refused at
+import.
 """
 
 from __future__ import annotations
@@ -12,18 +13,9 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["SUPPORTED_TORCH", "queue_backward_callback"]
+from ragged_placement import check_torch_version
 
-SUPPORTED_TORCH = ((2, 13), (2, 14))
-
-
-def _check_torch_version() -> None:
-    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
-    if (major, minor) not in SUPPORTED_TORCH:
-        supported = ", ".join(f"{a}.{b}" for a, b in SUPPORTED_TORCH)
-        raise ImportError(
-            f"fsdp_engine supports torch {supported}; found torch {torch.__version__}"
-        )
+__all__ = ["queue_backward_callback"]
 
 
 def queue_backward_callback(fn: Callable[[], None]) -> None:
@@ -31,4 +23,4 @@ def queue_backward_callback(fn: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
-_check_torch_version()
+check_torch_version("fsdp_engine")

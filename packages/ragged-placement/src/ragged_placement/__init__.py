@@ -15,6 +15,7 @@ Example:
 """
 
 from ragged_placement._comm_counter import Collective, CommCounter
+from ragged_placement._compat import SUPPORTED_TORCH, check_torch_version
 from ragged_placement._compat import install as _install
 from ragged_placement._integration import RaggedHooks as _RaggedHooks
 from ragged_placement._placement import RaggedShard, StridedRaggedShard
@@ -23,11 +24,13 @@ from ragged_placement._views import flat_range, local_view
 __version__ = "0.1.0"
 
 __all__ = [
+    "SUPPORTED_TORCH",
     "Collective",
     "CommCounter",
     "RaggedShard",
     "StridedRaggedShard",
     "__version__",
+    "check_torch_version",
     "flat_range",
     "local_view",
 ]

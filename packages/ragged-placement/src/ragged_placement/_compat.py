@@ -7,31 +7,37 @@ lookups, DTensor construction from a spec), so a torch upgrade is checked in one
 `install()` wraps these torch entry points so that DTensors with a RaggedShard placement work with
 torch's own APIs. Each wrapper checks for a RaggedShard first and otherwise calls the original
 unchanged, so DTensors without one behave exactly as before:
-- `_redistribute.redistribute_local_tensor` (also bound in `_dispatch`): used by
-  `DTensor.redistribute`, `full_tensor`, their autograd backward and op-argument
-  redistribution;
-- `distribute_tensor` (in `torch.distributed.tensor` and its `_api` module);
+- `redistribute_local_tensor`: used by `DTensor.redistribute`, `full_tensor`, `from_local`'s
+  and their autograd backward, and op-argument redistribution;
+- `distribute_tensor`;
 - `DTensor.from_local`: RaggedShard needs the global `shape`; the local piece is checked;
+These three are redirected in place (`redirect`), so references bound before the import (by a
+user's module or by torch's own) reach the wrapper too. The rest are class attributes, looked up
+at each call:
 - `to_local()`'s autograd backward, which cannot infer a RaggedShard gradient's stride;
 - `DTensor.__create_write_items__` / `__create_chunk_list__` / `__get_tensor_shard__`, through
   which torch.distributed.checkpoint reads and writes a DTensor's chunks;
 - `OpDispatcher._propagate_op_sharding_dispatch_slow_path` (called by the C++ DTensor
   dispatcher on a sharding-cache miss) and `ShardingPropagator.propagate` (the Python path).
 Tested on torch 2.13 and 2.14 (`nox -s tests`); other versions are refused at import with a
-clear error rather than risking silent misbehaviour.
+clear error rather than risking silent misbehaviour (`check_torch_version`, which dbuffer and
+fsdp_engine call too). A torch internal missing at install is an ImportError naming the version.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import math
+import os
+import types
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-import torch.distributed.tensor as dtensor_pkg
 import torch.distributed.tensor._api as dtensor_api
 import torch.distributed.tensor._dispatch as dtensor_dispatch
 import torch.distributed.tensor._redistribute as dtensor_redistribute
@@ -46,6 +52,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
+    "SUPPORTED_TORCH",
     "DTensorSpec",
     "DispatchMode",
     "OpSchema",
@@ -54,15 +61,19 @@ __all__ = [
     "WeightedMeanPartial",
     "async_all_gather",
     "async_all_to_all",
+    "check_torch_version",
     "current_mesh",
     "install",
     "make_dtensor",
     "norm_partial",
     "process_group_from_op_arg",
+    "redirect",
     "spec_of",
+    "torch_version",
 ]
 
 SUPPORTED_TORCH = ((2, 13), (2, 14))
+ALLOW_UNTESTED_TORCH = "RAGGED_PLACEMENT_ALLOW_UNTESTED_TORCH"
 
 
 def torch_version() -> tuple[int, int]:
@@ -71,13 +82,29 @@ def torch_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def check_torch_version() -> None:
-    """Raises ImportError on a torch version the hooks were not tested on."""
-    if torch_version() not in SUPPORTED_TORCH:
-        supported = ", ".join(f"{a}.{b}" for a, b in SUPPORTED_TORCH)
-        raise ImportError(
-            f"ragged_placement supports torch {supported}; found torch {torch.__version__}"
-        )
+def check_torch_version(package: str = "ragged_placement") -> None:
+    """Refuses a torch version the packages were not tested on (one guard for all of them).
+
+    Args:
+        package: The importing package, named in the error.
+
+    Raises:
+        ImportError: Naming the supported versions and the one found, unless the environment
+            variable RAGGED_PLACEMENT_ALLOW_UNTESTED_TORCH=1 turns the refusal into a warning
+            (for trying a new torch; a torch internal that changed still fails at import).
+
+    Example:
+        >>> from ragged_placement import check_torch_version
+        >>> check_torch_version("my_package")  # on torch 2.13 or 2.14: returns None
+    """
+    if torch_version() in SUPPORTED_TORCH:
+        return
+    supported = ", ".join(f"{a}.{b}" for a, b in SUPPORTED_TORCH)
+    message = f"{package} supports torch {supported}; found torch {torch.__version__}"
+    if os.environ.get(ALLOW_UNTESTED_TORCH) == "1":
+        warnings.warn(f"{message} (allowed by {ALLOW_UNTESTED_TORCH}=1)", stacklevel=2)
+        return
+    raise ImportError(f"{message}; set {ALLOW_UNTESTED_TORCH}=1 to try it anyway")
 
 
 # -- private names, re-exported --------------------------------------------------------------
@@ -225,70 +252,166 @@ def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def redirect(
+    function: Callable[..., Any], wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
+) -> None:
+    """Makes `function` run `wrap(original)`, through every reference anyone holds to it.
+
+    Rebinding a module attribute misses the references taken before: a user's
+    `from torch.distributed.tensor import distribute_tensor` made before this package was
+    imported, and torch's own modules that import the name (`_api` and `_dispatch` both bind
+    `redistribute_local_tensor`). Instead `function` keeps its identity and gets new code: a
+    call with its exact signature into the wrapper, which receives an intact copy of the
+    original. The wrapper is stored in the function's module under a private name, since the
+    new code looks it up in the function's globals.
+
+    Args:
+        function: A plain module-level function (no closure) of torch.
+        wrap: Builds the replacement from a copy of the original.
+    """
+    if not isinstance(function, types.FunctionType) or function.__closure__:
+        raise _torch_changed(f"{function!r} is no longer a plain function")
+    original = types.FunctionType(
+        function.__code__,
+        function.__globals__,
+        function.__name__,
+        function.__defaults__,
+        function.__closure__,
+    )
+    original.__kwdefaults__ = function.__kwdefaults__
+    original.__qualname__ = function.__qualname__
+    original.__doc__ = function.__doc__
+    replacement = functools.wraps(original)(wrap(original))
+    slot = f"_ragged_placement_{function.__name__}"
+    function.__globals__[slot] = replacement
+    function.__code__ = _forwarding_code(function, slot)
+    function.__wrapped__ = original  # type: ignore[attr-defined]
+
+
+def _forwarding_code(function: types.FunctionType, slot: str) -> types.CodeType:
+    """Code with `function`'s parameters that returns `slot(<the same arguments>)`."""
+    params: list[str] = []
+    args: list[str] = []
+    star_written = False
+    signature = list(inspect.signature(function).parameters.values())
+    for index, param in enumerate(signature):
+        # The defaults stay in the function object; the new code only needs the same shape.
+        default = "=None" if param.default is not param.empty else ""
+        if param.kind is param.VAR_POSITIONAL:
+            params.append(f"*{param.name}")
+            args.append(f"*{param.name}")
+            star_written = True
+        elif param.kind is param.VAR_KEYWORD:
+            params.append(f"**{param.name}")
+            args.append(f"**{param.name}")
+        elif param.kind is param.KEYWORD_ONLY:
+            if not star_written:
+                params.append("*")
+                star_written = True
+            params.append(param.name + default)
+            args.append(f"{param.name}={param.name}")
+        else:
+            params.append(param.name + default)
+            args.append(param.name)
+            following = signature[index + 1] if index + 1 < len(signature) else None
+            if param.kind is param.POSITIONAL_ONLY and (
+                following is None or following.kind is not param.POSITIONAL_ONLY
+            ):
+                params.append("/")
+    name = function.__name__
+    source = f"def {name}({', '.join(params)}):\n    return {slot}({', '.join(args)})\n"
+    namespace: dict[str, Any] = {}
+    exec(source, {}, namespace)
+    code: types.CodeType = namespace[function.__name__].__code__
+    return code.replace(co_filename=f"<ragged_placement forwarding {function.__qualname__}>")
+
+
+def _function_of(cls: type, name: str) -> Callable[..., Any]:
+    """The plain function behind `cls.name` (unwrapping a staticmethod)."""
+    attribute = cls.__dict__.get(name)
+    function = getattr(attribute, "__func__", attribute)
+    if function is None:
+        raise _torch_changed(f"{cls.__qualname__}.{name} is missing")
+    return function  # type: ignore[no-any-return]
+
+
+def _torch_changed(what: str) -> ImportError:
+    return ImportError(
+        f"ragged_placement cannot install its DTensor hooks on torch {torch.__version__}: {what}"
+    )
+
+
 def install(hooks: Hooks) -> None:
     """Wraps torch's DTensor entry points once (see the module docstring)."""
     if _installed:
         return
     check_torch_version()
     _installed.append(hooks)
+    try:
+        _install(hooks)
+    except AttributeError as exc:  # a torch internal this version no longer has
+        raise _torch_changed(str(exc)) from exc
 
-    original_redistribute = dtensor_redistribute.redistribute_local_tensor
 
-    @functools.wraps(original_redistribute)
-    def redistribute_local_tensor(
-        local: torch.Tensor, current: DTensorSpec, target: DTensorSpec, *args: Any, **kwargs: Any
-    ) -> torch.Tensor:
-        if hooks.is_ragged(current.placements) or hooks.is_ragged(target.placements):
-            async_op = bool(kwargs.get("async_op", False))
-            return hooks.redistribute(local, current, target, original_redistribute, async_op)
-        result: torch.Tensor = original_redistribute(local, current, target, *args, **kwargs)
-        return result
+def _install(hooks: Hooks) -> None:
 
-    setattr(dtensor_redistribute, "redistribute_local_tensor", redistribute_local_tensor)  # noqa: B010
-    if hasattr(dtensor_dispatch, "redistribute_local_tensor"):
-        setattr(dtensor_dispatch, "redistribute_local_tensor", redistribute_local_tensor)  # noqa: B010
+    def wrap_redistribute(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def redistribute_local_tensor(
+            local: torch.Tensor,
+            current: DTensorSpec,
+            target: DTensorSpec,
+            *args: Any,
+            **kwargs: Any,
+        ) -> torch.Tensor:
+            if hooks.is_ragged(current.placements) or hooks.is_ragged(target.placements):
+                async_op = bool(kwargs.get("async_op", False))
+                return hooks.redistribute(local, current, target, original, async_op)
+            return original(local, current, target, *args, **kwargs)
 
-    original_distribute = dtensor_api.distribute_tensor
+        return redistribute_local_tensor
 
-    @functools.wraps(original_distribute)
-    def distribute_tensor(
-        tensor: torch.Tensor,
-        device_mesh: DeviceMesh | None = None,
-        placements: Sequence[Placement] | None = None,
-        *,
-        src_data_rank: int | None = 0,
-    ) -> DTensor:
-        if placements is not None and hooks.is_ragged(placements):
-            mesh = device_mesh or current_mesh()
-            return hooks.distribute(tensor, mesh, placements, original_distribute, src_data_rank)
-        return original_distribute(tensor, device_mesh, placements, src_data_rank=src_data_rank)
+    def wrap_distribute(original: Callable[..., DTensor]) -> Callable[..., DTensor]:
+        def distribute_tensor(
+            tensor: torch.Tensor,
+            device_mesh: DeviceMesh | None = None,
+            placements: Sequence[Placement] | None = None,
+            *,
+            src_data_rank: int | None = 0,
+        ) -> DTensor:
+            if placements is not None and hooks.is_ragged(placements):
+                mesh = device_mesh or current_mesh()
+                return hooks.distribute(tensor, mesh, placements, original, src_data_rank)
+            return original(tensor, device_mesh, placements, src_data_rank=src_data_rank)
 
-    dtensor_api.distribute_tensor = distribute_tensor
-    dtensor_pkg.distribute_tensor = distribute_tensor
+        return distribute_tensor
 
-    original_from_local = DTensor.from_local
+    def wrap_from_local(original: Callable[..., DTensor]) -> Callable[..., DTensor]:
+        def from_local(
+            local_tensor: torch.Tensor,
+            device_mesh: DeviceMesh | None = None,
+            placements: Sequence[Placement] | None = None,
+            **kwargs: Any,
+        ) -> DTensor:
+            if placements is not None and hooks.is_ragged(placements):
+                if kwargs.get("shape") is None:
+                    raise ValueError(
+                        "DTensor.from_local with a RaggedShard placement needs shape= (the "
+                        "global shape): a ragged piece does not determine it"
+                    )
+                shape = torch.Size(kwargs["shape"])
+                kwargs["shape"] = shape
+                if kwargs.get("stride") is None:
+                    kwargs["stride"] = contiguous_strides(shape)
+                mesh = device_mesh or current_mesh()
+                hooks.check_from_local(local_tensor, mesh, placements, shape)
+            return original(local_tensor, device_mesh, placements, **kwargs)
 
-    @functools.wraps(original_from_local)
-    def from_local(
-        local_tensor: torch.Tensor,
-        device_mesh: DeviceMesh | None = None,
-        placements: Sequence[Placement] | None = None,
-        **kwargs: Any,
-    ) -> DTensor:
-        if placements is not None and hooks.is_ragged(placements):
-            if kwargs.get("shape") is None:
-                raise ValueError(
-                    "DTensor.from_local with a RaggedShard placement needs shape= (the global "
-                    "shape): a ragged piece does not determine it"
-                )
-            shape = torch.Size(kwargs["shape"])
-            kwargs["shape"] = shape
-            if kwargs.get("stride") is None:
-                kwargs["stride"] = contiguous_strides(shape)
-            hooks.check_from_local(local_tensor, device_mesh or current_mesh(), placements, shape)
-        return original_from_local(local_tensor, device_mesh, placements, **kwargs)
+        return from_local
 
-    DTensor.from_local = staticmethod(from_local)  # type: ignore[method-assign]
+    # Redirected (not rebound): every reference taken before this import reaches the wrapper.
+    redirect(dtensor_redistribute.redistribute_local_tensor, wrap_redistribute)
+    redirect(dtensor_api.distribute_tensor, wrap_distribute)
+    redirect(_function_of(DTensor, "from_local"), wrap_from_local)
 
     dispatcher = dtensor_dispatch.OpDispatcher
     original_slow_path = dispatcher._propagate_op_sharding_dispatch_slow_path
