@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from shard_planner import Layout
+from shard_planner import Layout, load_plan, load_preset
 from shard_planner._cli import main
 
 
@@ -47,10 +47,22 @@ def test_plan_writes_layout_json_that_round_trips(tmp_path, capsys) -> None:
         str(out),
     ]
     assert main(argv) == 0
-    layout = Layout.from_json(out.read_text())
+    (layout,) = load_plan(out.read_text()).values()
     assert layout.world_size == 6 and len(layout.tensors) == 9
     assert main(["show", "--layout", str(out), "--max-ranks", "2"]) == 0
     assert "rank     1:" in capsys.readouterr().out
+
+
+def test_plan_of_several_groups_is_one_format_that_show_reads(tmp_path, capsys) -> None:
+    out = tmp_path / "plan.json"
+    argv = ["plan", "--preset", "llama3-8b", "--world-size", "4", "--out", str(out)]
+    assert main(argv) == 0
+    layouts = load_plan(out.read_text())
+    assert len(layouts) == len(load_preset("llama3-8b").groups)
+    assert main(["show", "--layout", str(out), "--group", "model.layers.3"]) == 0
+    assert "world_size=4" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="this is a plan of 34 group"):
+        Layout.from_json(out.read_text())
 
 
 def test_plan_summary_from_a_group_file(tmp_path, capsys) -> None:
@@ -76,6 +88,27 @@ def test_plan_summary_from_a_group_file(tmp_path, capsys) -> None:
         (["plan", "/no/such/file.json", "--world-size", "2"], "cannot read /no/such/file.json"),
         (["show", "--preset", "llama3-8b", "--group", "nope"], "no group named 'nope'"),
         (["compare", "--preset", "llama3-8b", "--world-sizes", ","], "comma-separated list"),
+        (
+            ["plan", "--preset", "llama3-8b", "--world-size", "2", "--out", "/no/dir/x.json"],
+            "cannot write /no/dir/x.json: folder /no/dir does not exist",
+        ),
+        (
+            ["plan", "--preset", "llama3-8b", "--world-size", "2", "--out", "/tmp"],
+            "cannot write /tmp: it is a directory",
+        ),
+        (
+            ["show", "--preset", "llama3-8b", "--out", "/no/dir/x.png"],
+            "cannot write /no/dir/x.png: folder /no/dir does not exist",
+        ),
+        (
+            ["compare", "--preset", "llama3-8b", "--world-sizes", "8", "--plot", "/no/d/x.png"],
+            "cannot write /no/d/x.png: folder /no/d does not exist",
+        ),
+        (
+            ["plan", "some.json", "--preset", "llama3-8b", "--world-size", "2"],
+            "give a group file or --preset, not both",
+        ),
+        (["compare"], "give a group file or --preset NAME"),
     ],
 )
 def test_bad_input_is_one_line_and_nonzero(argv, message) -> None:
@@ -86,6 +119,35 @@ def test_bad_input_is_one_line_and_nonzero(argv, message) -> None:
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_compare_takes_a_group_file(tmp_path, capsys) -> None:
+    path = tmp_path / "g.json"
+    path.write_text(json.dumps({"tensors": [{"name": "w", "shape": [1009, 64]}]}))
+    assert main(["compare", str(path), "--world-sizes", "4,8"]) == 0
+    assert len([line for line in capsys.readouterr().out.splitlines() if "%" in line]) == 2
+
+
+def test_plan_says_when_it_pads_more_than_fsdp2_and_why(tmp_path, capsys) -> None:
+    path = tmp_path / "g.json"
+    tensors = [{"name": "a", "shape": [1009, 777]}, {"name": "b", "shape": [513, 1009]}]
+    path.write_text(json.dumps({"tensors": tensors}))
+    assert main(["plan", str(path), "--world-size", "8", "--block-rows", "1009"]) == 0
+    out = capsys.readouterr().out
+    assert "more than FSDP2's 12,502" in out, out
+    assert "the largest block (a, 783,993 elements) must sit on one rank" in out, out
+    # One row per block: a holds a whole shard (S a multiple of 777); any smaller S would put
+    # one inside b too, and lcm(777, 1009) is all of a.
+    assert main(["plan", str(path), "--world-size", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "padding=774534 (59.506%)" in out, out
+    assert "1 tensor(s) (a) hold a whole shard" in out, out
+    assert "a smaller S would put a whole shard inside b too" in out, out
+    assert "multiple of 783,993" in out, out
+    single = tmp_path / "one.json"
+    single.write_text(json.dumps({"tensors": [{"name": "w", "shape": [1009, 64]}]}))
+    assert main(["plan", str(single), "--world-size", "4"]) == 0
+    assert "note:" not in capsys.readouterr().out  # no worse than FSDP2
 
 
 def test_bad_json_file_is_one_line(tmp_path) -> None:

@@ -81,7 +81,29 @@ def test_deepseek_moe_layer_reaches_the_lower_bound_with_fit() -> None:
     ("text", "match"),
     [
         ('{"groups": []}', "non-empty list"),
-        ('{"foo": 1}', "'groups' or a 'tensors' key"),
+        ('{"name": "m"}', "'groups' or a 'tensors' key"),
+        ('{"foo": 1}', r"unknown key\(s\) \['foo'\]; valid: name, source, config, groups"),
+        (
+            '{"tensors": [{"name": "a", "shape": [3], "num_shard_dim": 1}]}',
+            r"tensor 'a': unknown key\(s\) \['num_shard_dim'\]; valid: name, shape, num_shard_dims",
+        ),
+        ('{"groups": [{"name": "g", "tensor": []}]}', "'tensors' list"),
+        (
+            '{"groups": [{"name": "g", "tensors": [], "size": 1}]}',
+            r"group 'g': unknown key\(s\) \['size'\]",
+        ),
+        ('{"tensors": [{"name": "a", "numel": 100, "shape": [3]}]}', "numel 100 disagrees"),
+        ('{"tensors": [{"name": "a", "shape": [3], "block": 2}]}', "'block' is for a 'numel'"),
+        ('{"tensors": [{"name": "a", "numel": 3, "num_shard_dims": 2}]}', "needs a 'shape'"),
+        (
+            '{"groups": [{"name": "g", "tensors": [{"name": "a", "numel": 1}]},'
+            ' {"name": "g", "tensors": [{"name": "b", "numel": 1}]}]}',
+            r"group names must be unique, repeated: \['g'\]",
+        ),
+        (
+            '{"groups": [{"name": "l{i}", "indices": [0, 100000000], "tensors": []}]}',
+            "repeat the group 100,000,000 times; at most 100,000",
+        ),
         ('{"tensors": [{"name": "a"}]}', "needs 'shape' or 'numel'"),
         ('{"tensors": [{"name": "a", "shape": [2, -1]}]}', "shape entry must be >= 0"),
         ('{"tensors": [{"shape": [2]}]}', "'name' string"),
@@ -97,3 +119,26 @@ def test_bad_group_files(text, match) -> None:
 def test_unknown_preset_lists_valid_names() -> None:
     with pytest.raises(ValueError, match="unknown preset 'gpt5'; valid: deepseek-v3-671b"):
         load_preset("gpt5")
+
+
+def test_readme_group_file_examples_parse() -> None:
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    blocks = re.findall(r"```json\n(.*?)```", readme, re.DOTALL)
+    assert len(blocks) == 2
+    single, model = (parse_model(block) for block in blocks)
+    assert [s.block for s in single.groups[0].specs(block_rows=2)] == [8192, 8192, 128]
+    assert [g.name for g in model.groups][:3] == ["embed", "layers.0", "layers.1"]
+    assert len(model.groups) == 33
+
+
+def test_layout_labels_keep_indices() -> None:
+    from shard_planner._report import _common_prefix, _label
+
+    names = [f"model.layers.3.mlp.experts.{e}.w1.weight" for e in (0, 12)]
+    common = _common_prefix(names)
+    assert common == "model.layers.3.mlp.experts."
+    assert [_label(n, common) for n in names] == ["0.w1", "12.w1"]
+    assert _common_prefix(["a.w", "b.w"]) == "" and _common_prefix(["x.y"]) == ""

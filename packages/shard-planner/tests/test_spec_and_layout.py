@@ -1,3 +1,4 @@
+import itertools
 import json
 
 import pytest
@@ -125,3 +126,37 @@ def test_layout_queries_reject_bad_names_and_ranks() -> None:
         layout.local_units("missing")
     with pytest.raises(ValueError, match=r"rank must be in \[0, 3\), got 3"):
         layout.local_range("wq", 3)
+
+
+def test_numpy_style_integers_are_accepted() -> None:
+    class Int64:  # what numpy.int64 offers: __index__, not an int subclass
+        def __init__(self, value: int) -> None:
+            self.value = value
+
+        def __index__(self) -> int:
+            return self.value
+
+    spec = TensorSpec.from_shape("w", (Int64(8), Int64(4)), block_rows=Int64(2))
+    assert (spec.numel, spec.block, spec.shape) == (32, 8, (8, 4))
+    assert type(spec.numel) is int
+    layout = plan_layout([spec], world_size=Int64(2))
+    assert layout.world_size == 2 and type(layout.world_size) is int
+
+
+def test_a_hand_built_layout_is_validated() -> None:
+    spec = TensorSpec("w", 8, block=4)
+    with pytest.raises(LayoutError, match="cuts a block of tensor 'w'"):
+        Layout(world_size=4, shard_size=2, tensors=(spec,), starts=(0,))
+    with pytest.raises(TypeError, match="must be TensorSpecs"):
+        Layout(world_size=1, shard_size=8, tensors=("w",), starts=(0,))  # type: ignore[arg-type]
+
+
+def test_local_rows_names_the_rows_each_rank_holds() -> None:
+    layout = plan_layout([TensorSpec.from_shape("w", (1009, 64), block_rows=32)], world_size=4)
+    rows = [layout.local_rows("w", rank) for rank in range(4)]
+    assert rows[0][0] == 0 and rows[-1][1] == 1009
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(rows))
+    assert all(start % 32 == 0 for start, _ in rows)
+    cut = plan_layout([TensorSpec("v", 10)], world_size=3)
+    with pytest.raises(ValueError, match="has no shape"):
+        cut.local_rows("v", 0)

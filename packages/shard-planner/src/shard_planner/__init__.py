@@ -15,9 +15,16 @@ Example:
 
 from shard_planner._baselines import flat_padding, fsdp2_padding
 from shard_planner._bounds import lower_bound
-from shard_planner._layout import Layout, LayoutError
+from shard_planner._layout import Layout, LayoutError, dump_plan, load_plan
 from shard_planner._plan import ORDERS, plan_layout
-from shard_planner._presets import GroupSpec, ModelPreset, load_preset, preset_names
+from shard_planner._presets import (
+    GroupSpec,
+    ModelPreset,
+    load_group_file,
+    load_preset,
+    preset_names,
+)
+from shard_planner._report import explain_padding
 from shard_planner._spec import TensorSpec
 
 __version__ = "0.1.0"
@@ -30,8 +37,12 @@ __all__ = [
     "ModelPreset",
     "TensorSpec",
     "__version__",
+    "dump_plan",
+    "explain_padding",
     "flat_padding",
     "fsdp2_padding",
+    "load_group_file",
+    "load_plan",
     "load_preset",
     "lower_bound",
     "plan_layout",

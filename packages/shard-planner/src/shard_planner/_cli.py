@@ -7,19 +7,25 @@ line on stderr, never a traceback.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import NoReturn
 
-from shard_planner._layout import Layout
+from shard_planner._layout import Layout, dump_plan, load_plan
 from shard_planner._plan import ORDERS, plan_layout
-from shard_planner._presets import GroupSpec, ModelPreset, load_preset, parse_model, preset_names
+from shard_planner._presets import (
+    GroupSpec,
+    ModelPreset,
+    load_group_file,
+    load_preset,
+    preset_names,
+)
 from shard_planner._report import (
     compare_case,
     describe_layout,
     draw_layout,
+    explain_padding,
     format_table,
     plot_cases,
 )
@@ -55,16 +61,26 @@ def _positive_list(text: str) -> list[int]:
 
 
 def _load_model(args: argparse.Namespace) -> ModelPreset:
-    if getattr(args, "preset", None):
+    if args.preset and args.file:
+        raise UsageError(f"give a group file or --preset, not both ({args.file}, {args.preset})")
+    if args.preset:
         return load_preset(args.preset)
     if not args.file:
         raise UsageError("give a group file or --preset NAME")
-    path = pathlib.Path(args.file)
+    return load_group_file(args.file)
+
+
+def _write(path: str, write: Callable[[str], object]) -> None:
+    """Runs `write(path)`, turning a bad path into one line (missing folder, a directory)."""
+    target = pathlib.Path(path)
+    if target.is_dir():
+        raise UsageError(f"cannot write {path}: it is a directory; give a file name")
+    if not target.parent.is_dir():
+        raise UsageError(f"cannot write {path}: folder {target.parent} does not exist")
     try:
-        text = path.read_text()
+        write(path)
     except OSError as exc:
-        raise UsageError(f"cannot read {path}: {exc.strerror}") from None
-    return parse_model(text, origin=str(path))
+        raise UsageError(f"cannot write {path}: {exc.strerror}") from None
 
 
 def _select_group(model: ModelPreset, name: str | None) -> GroupSpec:
@@ -73,9 +89,12 @@ def _select_group(model: ModelPreset, name: str | None) -> GroupSpec:
     for group in model.groups:
         if group.name == name:
             return group
-    names = [g.name for g in model.groups]
-    shown = ", ".join(names[:6]) + (f", ... ({len(names)} groups)" if len(names) > 6 else "")
-    raise UsageError(f"no group named {name!r}; valid: {shown}")
+    raise UsageError(f"no group named {name!r}; valid: {_some([g.name for g in model.groups])}")
+
+
+def _some(names: Iterable[str]) -> str:
+    names = list(names)
+    return ", ".join(names[:6]) + (f", ... ({len(names)} groups)" if len(names) > 6 else "")
 
 
 def _cmd_plan(args: argparse.Namespace) -> None:
@@ -88,13 +107,8 @@ def _cmd_plan(args: argparse.Namespace) -> None:
         for g in groups
     }
     if args.out:
-        if len(layouts) == 1:
-            text = next(iter(layouts.values())).to_json()
-        else:
-            text = json.dumps(
-                {name: json.loads(layout.to_json()) for name, layout in layouts.items()}, indent=1
-            )
-        pathlib.Path(args.out).write_text(text + "\n")
+        text = dump_plan(layouts) + "\n"
+        _write(args.out, lambda path: pathlib.Path(path).write_text(text))
         print(f"wrote {len(layouts)} layout(s) to {args.out}")
         return
     for name, layout in layouts.items():
@@ -104,10 +118,13 @@ def _cmd_plan(args: argparse.Namespace) -> None:
             f"shard_size={layout.shard_size} (lower bound {layout.lower_bound}, x{ratio:.4f}), "
             f"padding={layout.padding} ({100 * layout.padding_ratio:.3f}%)"
         )
+        explanation = explain_padding(layout)
+        if explanation:
+            print(f"  note: {explanation}")
 
 
 def _cmd_compare(args: argparse.Namespace) -> None:
-    model = load_preset(args.preset)
+    model = _load_model(args)
     cases = [
         compare_case(model, world_size, rows, align=args.align)
         for rows in args.block_rows
@@ -115,24 +132,32 @@ def _cmd_compare(args: argparse.Namespace) -> None:
     ]
     print(format_table(model, cases))
     if args.plot:
-        plot_cases(model, cases, args.plot)
+        _write(args.plot, lambda path: plot_cases(model, cases, path))
         print(f"wrote {args.plot}")
 
 
 def _cmd_show(args: argparse.Namespace) -> None:
     if args.layout:
+        if args.file or args.preset:
+            raise UsageError("give --layout alone, without a group file or --preset")
         try:
-            layout = Layout.from_json(pathlib.Path(args.layout).read_text())
+            layouts = load_plan(pathlib.Path(args.layout).read_text())
         except OSError as exc:
             raise UsageError(f"cannot read {args.layout}: {exc.strerror}") from None
-        title = args.layout
+        name = args.group or next(iter(layouts))
+        if name not in layouts:
+            raise UsageError(f"no group named {name!r} in {args.layout}; valid: {_some(layouts)}")
+        layout: Layout = layouts[name]
+        title = f"{args.layout}: {name}"
     else:
         group = _select_group(_load_model(args), args.group)
         layout = plan_layout(group.specs(args.block_rows), args.world_size, align=args.align)
         title = f"{group.name}, {args.block_rows} rows per block, {args.world_size} ranks"
     print(describe_layout(layout, max_ranks=args.max_ranks))
     if args.out:
-        draw_layout(layout, args.out, title=title, max_ranks=args.max_ranks)
+        _write(
+            args.out, lambda path: draw_layout(layout, path, title=title, max_ranks=args.max_ranks)
+        )
         print(f"wrote {args.out}")
 
 
@@ -153,12 +178,15 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--world-size", type=_positive, required=True)
     plan.add_argument("--group", help="plan only this group")
     plan.add_argument("--order", choices=ORDERS, default="auto")
-    plan.add_argument("--out", help="write layout JSON here instead of printing a summary")
+    plan.add_argument(
+        "--out", help="write the plan (each group's layout, JSON) here instead of a summary"
+    )
     common(plan)
     plan.set_defaults(run=_cmd_plan)
 
-    compare = sub.add_parser("compare", help="padding of ours vs FSDP2 vs flat on a preset")
-    compare.add_argument("--preset", required=True, help=f"one of: {', '.join(preset_names())}")
+    compare = sub.add_parser("compare", help="padding of ours vs FSDP2 vs flat, whole model")
+    compare.add_argument("file", nargs="?", help="group file (or use --preset)")
+    compare.add_argument("--preset", help=f"one of: {', '.join(preset_names())}")
     compare.add_argument("--world-sizes", type=_positive_list, default=[8, 64, 256, 1024])
     compare.add_argument("--block-rows", type=_positive_list, default=[1])
     compare.add_argument("--align", type=_positive, default=1)
@@ -168,7 +196,7 @@ def _parser() -> argparse.ArgumentParser:
     show = sub.add_parser("show", help="render one group's layout per rank")
     show.add_argument("file", nargs="?", help="group file (or use --preset / --layout)")
     show.add_argument("--preset")
-    show.add_argument("--layout", help="a layout JSON written by `plan --out`")
+    show.add_argument("--layout", help="a plan written by `plan --out`")
     show.add_argument("--group", help="group name (default: the first group)")
     show.add_argument("--world-size", type=_positive, default=8)
     show.add_argument("--max-ranks", type=_positive, default=16)

@@ -50,23 +50,32 @@ class Layout:
     _index: Mapping[str, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        check_count("world_size", self.world_size, 1)
-        check_count("shard_size", self.shard_size, 0)
-        check_count("align", self.align, 1)
+        object.__setattr__(self, "world_size", check_count("world_size", self.world_size, 1))
+        object.__setattr__(self, "shard_size", check_count("shard_size", self.shard_size, 0))
+        object.__setattr__(self, "align", check_count("align", self.align, 1))
         object.__setattr__(self, "tensors", tuple(self.tensors))
-        object.__setattr__(self, "starts", tuple(self.starts))
+        for spec in self.tensors:
+            if not isinstance(spec, TensorSpec):
+                raise TypeError(f"Layout.tensors must be TensorSpecs, got {spec!r}")
+        object.__setattr__(
+            self,
+            "starts",
+            tuple(
+                check_count(f"offset of tensor {spec.name!r}", start, 0)
+                for spec, start in zip(self.tensors, self.starts, strict=False)
+            ),
+        )
         if len(self.tensors) != len(self.starts):
             raise ValueError(
                 f"Layout has {len(self.tensors)} tensors but {len(self.starts)} starts"
             )
-        for spec, start in zip(self.tensors, self.starts, strict=True):
-            check_count(f"offset of tensor {spec.name!r}", start, 0)
         index = {spec.name: i for i, spec in enumerate(self.tensors)}
         if len(index) != len(self.tensors):
             names = [spec.name for spec in self.tensors]
             dupes = sorted({n for n in names if names.count(n) > 1})
             raise ValueError(f"Layout tensor names must be unique, duplicated: {dupes}")
         object.__setattr__(self, "_index", MappingProxyType(index))
+        self.validate()  # a hand-built layout is checked like a planned one
 
     # -- sizes ------------------------------------------------------------------------------
 
@@ -135,6 +144,37 @@ class Layout:
         lo = max(start, base)
         hi = min(start + spec.numel, base + self.shard_size)
         return (lo - base, hi - base) if lo < hi else (0, 0)
+
+    def local_rows(self, name: str, rank: int) -> tuple[int, int]:
+        """The rows [start, stop) of tensor `name` (a row: one index of dim 0) that `rank` holds.
+
+        Needs the tensor's shape; returns (0, 0) when the rank holds none of it.
+
+        Raises:
+            ValueError: The tensor has no shape, or the rank's piece cuts a row (its block is
+                smaller than a row), so no whole rows describe it.
+
+        Example:
+            >>> from shard_planner import TensorSpec, plan_layout
+            >>> layout = plan_layout([TensorSpec.from_shape("w", (10, 4))], world_size=3)
+            >>> [layout.local_rows("w", rank) for rank in range(3)]
+            [(0, 4), (4, 8), (8, 10)]
+        """
+        spec = self.spec(name)
+        lo, hi = self.local_range(name, rank)
+        if lo == hi:
+            return (0, 0)
+        if not spec.shape:
+            raise ValueError(f"tensor {name!r} has no shape (give one to TensorSpec)")
+        row = spec.numel // spec.shape[0]
+        start = rank * self.shard_size + lo - self.offsets[name]
+        stop = start + hi - lo
+        if start % row or stop % row:
+            raise ValueError(
+                f"rank {rank}'s piece of {name!r}, elements [{start}, {stop}), cuts a row of "
+                f"{row} elements (its block is {spec.block} elements)"
+            )
+        return (start // row, stop // row)
 
     def local_units(self, name: str) -> tuple[int, ...]:
         """Units of tensor `name` in each rank's range; usable as RaggedShard local_units.
@@ -211,25 +251,26 @@ class Layout:
 
     def to_json(self) -> str:
         """Serialises the layout to a JSON string (see `Layout.from_json`)."""
-        return json.dumps(
-            {
-                "version": _JSON_VERSION,
-                "world_size": self.world_size,
-                "shard_size": self.shard_size,
-                "align": self.align,
-                "tensors": [
-                    {
-                        "name": s.name,
-                        "numel": s.numel,
-                        "block": s.block,
-                        "offset": o,
-                        **({"shape": list(s.shape)} if s.shape is not None else {}),
-                    }
-                    for s, o in zip(self.tensors, self.starts, strict=True)
-                ],
-            },
-            indent=1,
-        )
+        return json.dumps(self.to_dict(), indent=1)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The layout as a JSON-ready dict (what `to_json` writes)."""
+        return {
+            "version": _JSON_VERSION,
+            "world_size": self.world_size,
+            "shard_size": self.shard_size,
+            "align": self.align,
+            "tensors": [
+                {
+                    "name": s.name,
+                    "numel": s.numel,
+                    "block": s.block,
+                    "offset": o,
+                    **({"shape": list(s.shape)} if s.shape is not None else {}),
+                }
+                for s, o in zip(self.tensors, self.starts, strict=True)
+            ],
+        }
 
     @classmethod
     def from_json(cls, text: str) -> Layout:
@@ -242,6 +283,11 @@ class Layout:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ValueError(f"layout JSON does not parse: {exc}") from None
+        if isinstance(data, dict) and "groups" in data and "tensors" not in data:
+            raise ValueError(
+                f"this is a plan of {len(data['groups'])} group(s), not one layout: read it "
+                "with shard_planner.load_plan (or pick one with `show --layout FILE --group`)"
+            )
         if not isinstance(data, dict) or data.get("version") != _JSON_VERSION:
             raise ValueError(f"layout JSON must be an object with version {_JSON_VERSION}")
         try:
@@ -263,6 +309,46 @@ class Layout:
                 align=data["align"],
             )
         except (KeyError, TypeError) as exc:
-            raise ValueError(f"layout JSON is missing or mistypes a field: {exc!r}") from None
-        layout.validate()
+            hint = ""
+            if "version" not in data or "tensors" not in data:
+                hint = " (a plan of several groups, as `plan --out` writes, is read by load_plan)"
+            raise ValueError(f"layout JSON is missing or mistypes a field: {exc!r}{hint}") from None
         return layout
+
+
+def dump_plan(layouts: Mapping[str, Layout]) -> str:
+    """One JSON document for the layouts of several groups, by group name (`plan --out`).
+
+    Example:
+        >>> from shard_planner import TensorSpec, load_plan, plan_layout
+        >>> text = dump_plan({"g": plan_layout([TensorSpec("w", 8)], world_size=2)})
+        >>> load_plan(text)["g"].shard_size
+        4
+    """
+    return json.dumps(
+        {"version": _JSON_VERSION, "groups": {n: v.to_dict() for n, v in layouts.items()}},
+        indent=1,
+    )
+
+
+def load_plan(text: str) -> dict[str, Layout]:
+    """Reads what `dump_plan` (or `plan --out`) wrote; a single layout's JSON also reads.
+
+    Raises:
+        ValueError: The text is neither, or a layout breaks a constraint (named).
+    """
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"plan JSON does not parse: {exc}") from None
+    if isinstance(data, dict) and "tensors" in data:
+        return {"layout": Layout.from_json(text)}
+    if not isinstance(data, dict) or not isinstance(data.get("groups"), dict):
+        raise ValueError("plan JSON must be an object with a 'groups' object (see dump_plan)")
+    layouts = {}
+    for name, layout in data["groups"].items():
+        try:
+            layouts[name] = Layout.from_json(json.dumps(layout))
+        except ValueError as exc:
+            raise ValueError(f"group {name!r}: {exc}") from None
+    return layouts

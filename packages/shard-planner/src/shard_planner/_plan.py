@@ -256,10 +256,10 @@ def plan_layout(
         ...          TensorSpec.from_shape("norm", (32,))]
         >>> layout = plan_layout(specs, world_size=3)
         >>> layout.shard_size, layout.local_units("wq")
-        (704, (11, 5, 0))
+        (768, (6, 6, 4))
     """
-    check_count("world_size", world_size, 1)
-    check_count("align", align, 1)
+    world_size = check_count("world_size", world_size, 1)
+    align = check_count("align", align, 1)
     specs = tuple(specs)
     for spec in specs:
         if not isinstance(spec, TensorSpec):
@@ -314,6 +314,4 @@ def plan_layout(
     starts = [0] * len(specs)
     for i, start in zip(*placed, strict=True):
         starts[i] = start
-    layout = Layout(world_size, best_size, specs, tuple(starts), align)
-    layout.validate()
-    return layout
+    return Layout(world_size, best_size, specs, tuple(starts), align)  # validated on creation

@@ -10,11 +10,15 @@ where a group with `indices` [start, stop) stands for one group per layer i (its
 get the prefix "<group name>."), or a single group ``{"tensors": [...]}``. A tensor is either
 ``{"name", "shape", "num_shard_dims"?}`` (its block is `block_rows` rows, see
 `TensorSpec.from_shape`) or ``{"name", "numel", "block"?}`` (a fixed block in elements).
+Unknown keys, duplicate group names and contradictions (a shape and a numel that disagree) are
+errors, never ignored.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import pathlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
@@ -104,6 +108,40 @@ def load_preset(name: str) -> ModelPreset:
     return parse_model(text, origin=f"preset {name}")
 
 
+MAX_REPEATED_GROUPS = 100_000  # far above any model's layer count; a typo is caught early
+
+_MODEL_KEYS = ("name", "source", "config", "groups", "tensors")
+_GROUP_KEYS = ("name", "indices", "tensors")
+_TENSOR_KEYS = ("name", "shape", "num_shard_dims", "numel", "block")
+
+
+def load_group_file(path: str | os.PathLike[str]) -> ModelPreset:
+    """Reads a group file (the JSON format of the module docstring, as `plan FILE` takes).
+
+    Args:
+        path: The file.
+
+    Returns:
+        The model, one GroupSpec per group.
+
+    Raises:
+        ValueError: The file cannot be read, is not JSON, or does not describe tensors
+            correctly (the message names the group and tensor).
+
+    Example:
+        >>> import json, pathlib, tempfile
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "model.json"
+        >>> _ = path.write_text(json.dumps({"tensors": [{"name": "w", "shape": [8, 4]}]}))
+        >>> load_group_file(path).groups[0].specs(block_rows=2)[0].block
+        8
+    """
+    try:
+        text = pathlib.Path(path).read_text()
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror}") from None
+    return parse_model(text, origin=str(path))
+
+
 def parse_model(text: str, *, origin: str = "group file") -> ModelPreset:
     """Parses a model document or a single-group document (see the module docstring).
 
@@ -116,6 +154,9 @@ def parse_model(text: str, *, origin: str = "group file") -> ModelPreset:
         raise ValueError(f"{origin}: not valid JSON ({exc})") from None
     if not isinstance(doc, dict):
         raise ValueError(f"{origin}: expected a JSON object, got {type(doc).__name__}")
+    _check_keys(doc, _MODEL_KEYS, origin)
+    if "groups" in doc and "tensors" in doc:
+        raise ValueError(f"{origin}: give 'groups' or 'tensors', not both")
     if "groups" in doc:
         raw_groups = doc["groups"]
     elif "tensors" in doc:
@@ -127,6 +168,10 @@ def parse_model(text: str, *, origin: str = "group file") -> ModelPreset:
     groups: list[GroupSpec] = []
     for raw in raw_groups:
         groups += _parse_group(raw, origin)
+    names = [g.name for g in groups]
+    if len(set(names)) != len(names):
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"{origin}: group names must be unique, repeated: {dupes[:6]}")
     config = doc.get("config", {})
     return ModelPreset(
         str(doc.get("name", origin)), str(doc.get("source", "")), config, tuple(groups)
@@ -137,6 +182,7 @@ def _parse_group(raw: Any, origin: str) -> list[GroupSpec]:
     if not isinstance(raw, dict) or not isinstance(raw.get("tensors"), list):
         raise ValueError(f"{origin}: each group must be an object with a 'tensors' list")
     name = raw.get("name", "group")
+    _check_keys(raw, _GROUP_KEYS, f"{origin}, group {name!r}")
     entries = tuple(_parse_entry(t, f"{origin}, group {name!r}") for t in raw["tensors"])
     if "indices" not in raw:
         return [GroupSpec(str(name), entries)]
@@ -149,6 +195,11 @@ def _parse_group(raw: Any, origin: str) -> list[GroupSpec]:
     ):
         raise ValueError(
             f"{origin}, group {name!r}: 'indices' must be [start, stop), 0 <= start < stop"
+        )
+    if indices[1] - indices[0] > MAX_REPEATED_GROUPS:
+        raise ValueError(
+            f"{origin}, group {name!r}: 'indices' {indices} repeat the group "
+            f"{indices[1] - indices[0]:,} times; at most {MAX_REPEATED_GROUPS:,} are allowed"
         )
     if "{i}" not in str(name):
         raise ValueError(
@@ -169,17 +220,36 @@ def _parse_entry(raw: Any, where: str) -> _Entry:
             f"{where}: each tensor must be an object with a 'name' string, got {raw!r}"
         )
     name = raw["name"]
+    _check_keys(raw, _TENSOR_KEYS, f"{where}, tensor {name!r}")
     try:
         if "shape" in raw:
             shape = raw["shape"]
             if not isinstance(shape, list):
                 raise ValueError(f"shape must be a list of ints, got {shape!r}")
+            if "block" in raw:
+                raise ValueError(
+                    "'block' is for a 'numel' tensor; a 'shape' tensor's block is block_rows "
+                    "rows (use num_shard_dims to choose what a row is)"
+                )
             dims = raw.get("num_shard_dims", 1)
             spec = TensorSpec.from_shape(name, shape, num_shard_dims=dims)
+            if "numel" in raw and raw["numel"] != spec.numel:
+                raise ValueError(
+                    f"numel {raw['numel']!r} disagrees with shape {shape} ({spec.numel} "
+                    "elements); give one of them"
+                )
             return _Entry(name, spec.shape, spec.numel, 1, dims)
+        if "num_shard_dims" in raw:
+            raise ValueError("'num_shard_dims' needs a 'shape'")
         if "numel" in raw:
             spec = TensorSpec(name, raw["numel"], raw.get("block", 1))
             return _Entry(name, None, spec.numel, spec.block, 1)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}, tensor {name!r}: {exc}") from None
     raise ValueError(f"{where}, tensor {name!r}: needs 'shape' or 'numel'")
+
+
+def _check_keys(raw: Mapping[str, Any], valid: tuple[str, ...], where: str) -> None:
+    unknown = sorted(set(raw) - set(valid))
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {unknown}; valid: {', '.join(valid)}")

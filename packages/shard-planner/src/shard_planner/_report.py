@@ -5,12 +5,14 @@ Plots need matplotlib (the optional `plot` extra); everything else is plain text
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from shard_planner._baselines import flat_padding, fsdp2_padding
+from shard_planner._bounds import ceil_to
 from shard_planner._layout import Layout
 from shard_planner._plan import plan_layout
 from shard_planner._presets import ModelPreset
@@ -124,8 +126,12 @@ def plot_cases(preset: ModelPreset, cases: Sequence[CaseResult], path: str) -> N
             ax.plot(xs, [100 * c.fsdp2 / c.numel for c in sub], "s--", label="FSDP2 Shard(0)")
             ax.plot(xs, [100 * c.flat / c.numel for c in sub], "^:", label="flat (cuts blocks)")
     ax.set_xscale("log", base=2)
-    ax.set_yscale("symlog", linthresh=1.0)
+    # Padding spans 0 to tens of percent and the interesting range is 0.01-10%: a log axis
+    # with a small linear part around 0, and a labelled tick at each decade.
+    ax.set_yscale("symlog", linthresh=0.01, linscale=0.5)
     ax.set_ylim(bottom=0)
+    ticks = [0.0, 0.01, 0.1, 1.0, 10.0, 100.0]
+    ax.set_yticks(ticks, ["0", "0.01%", "0.1%", "1%", "10%", "100%"])
     ax.set_xlabel("FSDP world size")
     ax.set_ylabel("padding, % of parameters")
     ax.set_title(f"{preset.name}: padding by sharding scheme")
@@ -162,15 +168,89 @@ def describe_layout(layout: Layout, *, max_ranks: int = 16, max_pieces: int = 8)
     return "\n".join(lines)
 
 
+def explain_padding(layout: Layout) -> str | None:
+    """Why a layout pads more than FSDP2's per-parameter Shard(0) would, and what helps.
+
+    Returns None when it pads no more, or when a tensor has no shape (FSDP2's padding needs
+    them).
+
+    Example:
+        >>> from shard_planner import TensorSpec, plan_layout
+        >>> specs = [TensorSpec.from_shape("a", (1009, 777), block_rows=1009),
+        ...          TensorSpec.from_shape("b", (513, 1009), block_rows=513)]
+        >>> print(explain_padding(plan_layout(specs, world_size=8)))  # doctest: +ELLIPSIS
+        pads 4,970,334 elements, more than FSDP2's 12,502: ... the largest block (a, 783,993 ...
+    """
+    if any(spec.shape is None for spec in layout.tensors):
+        return None
+    fsdp2 = fsdp2_padding(layout.tensors, layout.world_size)
+    if layout.padding <= fsdp2:
+        return None
+    size = layout.shard_size
+    forcing = [s for s in layout.tensors if s.numel >= 2 * size]
+    grid = math.lcm(layout.align, *(s.atom for s in forcing)) if forcing else layout.align
+    why = (
+        f"pads {layout.padding:,} elements, more than FSDP2's {fsdp2:,}: "
+        f"no shard boundary may cut a block"
+    )
+    largest = max(layout.tensors, key=lambda s: s.atom)
+    if largest.atom > -(-layout.total_numel // layout.world_size):
+        why += (
+            f", and the largest block ({largest.name}, {largest.atom:,} elements) must sit on "
+            f"one rank, so S >= {largest.atom:,} where an even split needs only "
+            f"{-(-layout.total_numel // layout.world_size):,}"
+        )
+    if forcing:
+        names = ", ".join(s.name for s in forcing[:3]) + (", ..." if len(forcing) > 3 else "")
+        why += (
+            f", and {len(forcing)} tensor(s) ({names}) hold a whole shard, so the shard size "
+            f"S={size:,} must be a multiple of the lcm of their blocks, {grid:,}"
+        )
+        rest = [s for s in layout.tensors if s.numel < 2 * size and s.numel]
+        pinned = max(rest, key=lambda s: s.numel, default=None)
+        if pinned is not None and ceil_to(pinned.numel // 2 + 1, grid) == size:
+            wider = math.lcm(grid, pinned.atom)
+            why += (
+                f"; a smaller S would put a whole shard inside {pinned.name} too, and S would "
+                f"have to be a multiple of {wider:,}"
+            )
+    bound = "S is the lower bound: no layout of this group with these blocks pads less"
+    if size > layout.lower_bound:
+        bound = f"the lower bound is S={layout.lower_bound:,}"
+    return (
+        f"{why}; {bound}. What can help: another grouping (the tensors named here in groups "
+        "of their own), a smaller FSDP world size, or fewer rows per block."
+    )
+
+
+def _common_prefix(names: Sequence[str]) -> str:
+    """The dotted prefix ("model.layers.3.") every name shares; "" for fewer than two names."""
+    if len(names) < 2:
+        return ""
+    parts = [name.split(".")[:-1] for name in names]
+    shared = 0
+    while all(len(p) > shared and p[shared] == parts[0][shared] for p in parts):
+        shared += 1
+    return "".join(f"{part}." for part in parts[0][:shared])
+
+
+def _label(name: str, common: str) -> str:
+    label = name[len(common) :] if common else name
+    return label.removesuffix(".weight") or name
+
+
 def draw_layout(layout: Layout, path: str, *, title: str = "", max_ranks: int = 64) -> None:
     """Draws one bar per rank: tensors' pieces in colour, padding hatched, blocks ticked."""
     plt = _pyplot()
     num_ranks = min(layout.world_size, max_ranks)
     size = layout.shard_size or 1
     fig, ax = plt.subplots(figsize=(11, 0.9 + 0.32 * num_ranks))
-    cmap = plt.get_cmap("tab20")
+    # 60 distinct colours before any repeats (tab20, tab20b, tab20c).
+    palette = [plt.get_cmap(m)(i) for m in ("tab20", "tab20b", "tab20c") for i in range(20)]
     order = sorted(layout.tensors, key=lambda s: layout.offsets[s.name])
-    colors = {spec.name: cmap(i % 20) for i, spec in enumerate(order)}
+    colors = {spec.name: palette[i % len(palette)] for i, spec in enumerate(order)}
+    # Labels drop the group's shared prefix but keep indices (expert 12 stays "experts.12.w1").
+    common = _common_prefix([spec.name for spec in order])
     for rank in range(num_ranks):
         y = num_ranks - 1 - rank
         ax.barh(y, size, left=0, height=0.8, color="white", edgecolor="grey", hatch="//")
@@ -182,12 +262,15 @@ def draw_layout(layout: Layout, path: str, *, title: str = "", max_ranks: int = 
                 y, hi - lo, left=lo, height=0.8, color=colors[spec.name], edgecolor="black", lw=0.3
             )
             if (hi - lo) / size > 0.06:
-                label = ".".join(spec.name.split(".")[-2:])
+                label = _label(spec.name, common)
                 ax.text((lo + hi) / 2, y, label, ha="center", va="center", fontsize=6)
     ax.set_yticks(range(num_ranks), [f"rank {r}" for r in reversed(range(num_ranks))], fontsize=7)
     ax.set_xlim(0, size)
     ax.set_xlabel("element offset within the rank's shard (hatched: padding)")
-    ax.set_title(title or f"layout of {len(layout.tensors)} tensors on {layout.world_size} ranks")
+    heading = title or f"layout of {len(layout.tensors)} tensors on {layout.world_size} ranks"
+    if num_ranks < layout.world_size:
+        heading += f"\n(ranks 0-{num_ranks - 1} of {layout.world_size} shown)"
+    ax.set_title(heading)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
 def check_count(what: str, value: object, minimum: int) -> int:
+    """`value` as a plain int >= `minimum`; any integer type (numpy's too) is accepted."""
     # bool is an int subclass; True as a size is always a bug in the caller.
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
         raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{what} must be >= {minimum}, got {value}")
-    return value
+    count = operator.index(value)  # type: ignore[arg-type]
+    if count < minimum:
+        raise ValueError(f"{what} must be >= {minimum}, got {count}")
+    return count
 
 
 @dataclass(frozen=True)
@@ -44,12 +47,15 @@ class TensorSpec:
         name: object = self.name  # callers may pass anything; check before trusting the hint
         if not isinstance(name, str) or not name:
             raise ValueError(f"TensorSpec.name must be a non-empty str, got {self.name!r}")
-        check_count(f"TensorSpec({self.name!r}).numel", self.numel, 0)
-        check_count(f"TensorSpec({self.name!r}).block", self.block, 1)
+        numel = check_count(f"TensorSpec({self.name!r}).numel", self.numel, 0)
+        object.__setattr__(self, "numel", numel)
+        block = check_count(f"TensorSpec({self.name!r}).block", self.block, 1)
+        object.__setattr__(self, "block", block)
         if self.shape is not None:
-            shape = tuple(self.shape)
-            for size in shape:
+            shape = tuple(
                 check_count(f"TensorSpec({self.name!r}).shape entry", size, 0)
+                for size in self.shape
+            )
             if math.prod(shape) != self.numel:
                 raise ValueError(
                     f"TensorSpec({self.name!r}): shape {shape} has {math.prod(shape)} elements "
@@ -86,11 +92,9 @@ class TensorSpec:
             >>> TensorSpec.from_shape("wq", (4096, 4096), block_rows=32).block
             131072
         """
-        shape = tuple(shape)
-        for size in shape:
-            check_count(f"TensorSpec({name!r}).shape entry", size, 0)
-        check_count(f"block_rows of {name!r}", block_rows, 1)
-        check_count(f"num_shard_dims of {name!r}", num_shard_dims, 1)
+        shape = tuple(check_count(f"TensorSpec({name!r}).shape entry", n, 0) for n in shape)
+        block_rows = check_count(f"block_rows of {name!r}", block_rows, 1)
+        num_shard_dims = check_count(f"num_shard_dims of {name!r}", num_shard_dims, 1)
         if num_shard_dims > max(len(shape), 1):
             raise ValueError(
                 f"num_shard_dims of {name!r} must be in [1, {max(len(shape), 1)}] for shape "
