@@ -184,13 +184,14 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def bench(session: nox.Session) -> None:
-    """Run a benchmark: `nox -s bench -- planner|placement|dbuffer|engine [script options]`."""
+    """Run a benchmark: `nox -s bench -- planner|placement|dbuffer|engine|guard [options]`."""
     which = session.posargs[0] if session.posargs else "planner"
     scripts = {
         "planner": "packages/shard-planner/benchmarks/bench_planner.py",
         "placement": "packages/ragged-placement/benchmarks/bench_placement.py",
         "dbuffer": "packages/dbuffer/benchmarks/bench_dbuffer.py",
         "engine": "packages/fsdp-engine/benchmarks/bench_engine.py",
+        "guard": "packages/fsdp-engine/benchmarks/bench_guard.py",
     }
     if which not in scripts:
         session.error(f"unknown benchmark {which!r}; valid: {', '.join(scripts)}")

@@ -7,8 +7,9 @@ For one FSDP group, per step: unshard (all-gather) then reduce-scatter of the gr
   parameter's padded Shard(0) piece, all-gather, copy-out (`fsdp.split_with_sizes_copy`) into
   per-parameter unsharded tensors; then copy-in of the gradients (`fsdp.chunk_cat`) and
   reduce-scatter.
-- DBuffer: all-gather straight into the global buffer whose views are the parameters;
-  reduce-scatter straight from the global gradient buffer whose views are the gradients.
+- DBuffer: all-gather straight into the global buffer whose views are the parameters; one
+  copy of each gradient into the global gradient buffer (`accumulate_grad`), reduce-scatter
+  straight from it.
 Groups: a Llama-style block (hidden 2048, MLP 5632: 46M parameters) and an MoE block (hidden
 1024, 64 experts of 256 x 1024 x 3: 54M parameters). Prints the median step time of the
 slowest rank for both, their ratio (target: <= 0.95 dense, <= 0.85 MoE), the bytes each path
@@ -22,6 +23,7 @@ import os
 import statistics
 import tempfile
 import time
+import types
 
 import torch
 import torch.distributed as dist
@@ -110,17 +112,16 @@ def _measure(
     grads = {name: torch.ones_like(t) for name, t in tensors}
 
     def ours() -> float:
-        # accumulate_grad stands in for backward writing the gradients (FSDP2's gradients
-        # come ready-made), so it is not timed; zeroing the padding before the reduce is.
+        # Both paths start from the gradients autograd made: FSDP2 copies them in with
+        # chunk_cat, we with one accumulate_grad copy each into the gradient buffer (timed and
+        # counted; an engine that hands autograd the buffer's views would skip it).
         start = time.perf_counter()
         buf.unshard().wait()
-        elapsed = time.perf_counter() - start
         for name, grad in grads.items():
             buf.accumulate_grad(name, grad)
-        start = time.perf_counter()
         buf.reduce_scatter(op="sum").wait()
         buf.reshard()
-        return elapsed + time.perf_counter() - start
+        return time.perf_counter() - start
 
     def theirs() -> float:
         start = time.perf_counter()
@@ -142,7 +143,11 @@ def _measure(
     ours_wire = buf.shard_size * 4 * (world - 1) / 1e6
     fsdp2_wire = fsdp2.input_numel * 4 * (world - 1) / 1e6
     times = f"{o * 1e3:>9.1f} {f * 1e3:>10.1f} {o / f:>7.3f}"
-    volumes = f"{0:>12} {fsdp2.copied / 1e6:>11.1f}M {ours_wire:>9.1f}M {fsdp2_wire:>9.1f}M"
+    ours_copied = 4 * numel  # the gradient copy; the parameters are gathered in place
+    volumes = (
+        f"{ours_copied / 1e6:>11.1f}M {fsdp2.copied / 1e6:>11.1f}M "
+        f"{ours_wire:>9.1f}M {fsdp2_wire:>9.1f}M"
+    )
     return f"{label:<6} {world:>5} {numel / 1e6:>7.1f}M {times} {volumes}"
 
 
@@ -162,6 +167,44 @@ def _rank(rank: int, world: int, init_file: str, repeats: int, out: str) -> None
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)  # skip interpreter teardown, which can abort after gloo work (see tests)
+
+
+def guard_cost(calls: int = 1000) -> str:
+    """Microseconds the freed-memory guard adds per op that takes a view, forward and backward.
+
+    One linear layer (x: 8 x 256, weight 256 x 256, as in a small model's projection), run
+    on a guarded view of the weight and on a plain alias of the same memory, alternating; the
+    backward of the guarded run also goes through the saved-tensor check.
+    """
+    from dbuffer._views import guard
+
+    torch.set_num_threads(1)
+    weight = torch.randn(256, 256)
+    plain = weight.detach().requires_grad_()
+    always = types.SimpleNamespace(allocated=True)  # a buffer that is never freed
+    view = guard(weight.detach(), "unsharded tensor 'w'", always).requires_grad_()
+    x = torch.randn(8, 256, requires_grad=True)
+
+    def run(w: torch.Tensor, backward: bool) -> float:
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = torch.nn.functional.linear(x, w)
+            if backward:
+                out.sum().backward()
+        return (time.perf_counter() - start) / calls
+
+    rows = []
+    for backward in (False, True):
+        run(plain, backward), run(view, backward)  # warm up
+        # Alternating runs; the fastest of each side is the least disturbed by the machine.
+        pairs = [(run(plain, backward), run(view, backward)) for _ in range(9)]
+        plain_s, view_s = min(p for p, _ in pairs), min(v for _, v in pairs)
+        what = "forward + backward" if backward else "forward"
+        rows.append(
+            f"guard, linear {what}: {plain_s * 1e6:.1f} us plain, {view_s * 1e6:.1f} us guarded "
+            f"(+{(view_s - plain_s) * 1e6:.1f} us per op)"
+        )
+    return "\n".join(rows)
 
 
 def main() -> None:
@@ -185,6 +228,7 @@ def main() -> None:
         )
         with open(out) as f:
             print(f.read(), end="")
+    print(guard_cost())
 
 
 if __name__ == "__main__":

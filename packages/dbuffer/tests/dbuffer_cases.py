@@ -225,20 +225,26 @@ def check_frees_wait_for_the_current_stream() -> None:
     originals = [m.current_stream for m in patched]  # type: ignore[attr-defined]
     for module in patched:
         module.current_stream = lambda device: current[0]  # type: ignore[attr-defined]
+    # On one rank the unsharded buffer aliases the local shard: reshard frees nothing.
+    param_waits = ["main"] if dist.get_world_size() > 1 else []
     try:
         buf.unshard().wait()  # allocated on "side"
         buf.accumulate_grad("w1", torch.ones(17, 8))  # grad buffer allocated on "side"
         current[0] = main
         buf.reshard()  # freed from "main": "side" must wait for "main" first
-        assert side.waited_for == ["main"], side.waited_for
+        assert side.waited_for == param_waits, side.waited_for
         buf.reduce_scatter().wait()
-        assert side.waited_for == ["main", "main"], side.waited_for
+        assert side.waited_for == [*param_waits, "main"], side.waited_for
         buf.unshard().wait()  # re-allocated on "main" now
         buf.reshard()  # same stream: no wait needed
-        assert main.waited_for == [] and side.waited_for == ["main", "main"]
+        assert main.waited_for == [] and side.waited_for == [*param_waits, "main"]
     finally:
         for module, original in zip(patched, originals, strict=True):
             module.current_stream = original  # type: ignore[attr-defined]
+
+
+class _OtherTensor(torch.Tensor):
+    pass
 
 
 def check_freed_views_raise() -> None:
@@ -251,12 +257,23 @@ def check_freed_views_raise() -> None:
     w1 = buf.full("w1")
     derived = {"t()": w1.t(), "row": w1[1], "param": torch.nn.Parameter(w1)}
     derived["param.t()"] = derived["param"].t()
+    # Aliases that are not autograd views: .data (also of a Parameter) and as_subclass.
+    derived["data"] = w1.data
+    derived["param.data"] = derived["param"].data
+    derived["as_subclass"] = w1.as_subclass(torch.Tensor)
     expected = {
         "t()": w1.t().contiguous(),
         "row": w1[1].clone(),
         "param": w1.clone(),
         "param.t()": w1.t().contiguous(),
+        "data": w1.clone(),
+        "param.data": w1.clone(),
+        "as_subclass": w1.clone(),
     }
+    # Autograd saved a view for backward (linear saves its weight to compute the input's
+    # gradient); the buffer is freed before backward runs.
+    x = torch.ones(3, 8, requires_grad=True)
+    saved = torch.nn.functional.linear(x, derived["param"]).sum()
     buf.reshard()
     freed = "unsharded tensor 'w1' is freed"
     readers = {
@@ -270,9 +287,16 @@ def check_freed_views_raise() -> None:
         "row": lambda: derived["row"] * 2,
         "param.t()": lambda: derived["param.t()"].sum(),
         "foreach": lambda: torch._foreach_mul([w1, buf.full_grad("w1")], 2.0),
+        "data": lambda: derived["data"].sum(),
+        "param.data": lambda: derived["param.data"].sum(),
+        "as_subclass": lambda: derived["as_subclass"].sum(),
+        ".data now": lambda: w1.data.sum(),
+        "as_subclass now": lambda: w1.as_subclass(torch.Tensor).sum(),
+        "backward": lambda: saved.backward(),
     }
     for read in readers.values():
         expect_error(RuntimeError, read, freed)
+    expect_error(TypeError, lambda: w1.as_subclass(_OtherTensor), "escape the guard")
     # Metadata stays readable while freed; the empty tensor has nothing to free.
     assert w1.shape == tensors["w1"].shape and w1.dtype == torch.float32 and w1.grad is None
     assert w1.numel() == tensors["w1"].numel() and w1.stride() == (8, 1)
@@ -513,8 +537,16 @@ def check_unshard_is_a_noop_while_unsharded() -> None:
         buf.unshard().wait()
     assert counter.bytes_received == 0, counter
     for name, t in tensors:
-        assert torch.equal(buf.full(name), t), name  # not re-gathered
+        # Not re-gathered; on one rank the unsharded buffer is the local shard itself.
+        assert torch.equal(buf.full(name), t + 1 if world == 1 else t), name
+    if world == 1:
+        local = buf.local.untyped_storage()
+        assert all(buf.full(n).untyped_storage().data_ptr() == local.data_ptr() for n, _ in tensors)
+        mixed = buf.unshard(dtype=torch.bfloat16)  # a cast needs its own buffer
+        assert buf.full(tensors[0][0], dtype=torch.bfloat16).data_ptr() != local.data_ptr()
+        mixed.wait()
     buf.reshard()
+    expect_error(RuntimeError, lambda: buf.full(tensors[0][0]), "DBuffer is resharded")
     with CommCounter() as counter:
         buf.unshard().wait()
     if world > 1:

@@ -44,40 +44,46 @@ def no_record_stream(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_reshard_frees_exactly_the_global_buffer(mesh: DeviceMesh, no_record_stream: None) -> None:
+    # On one rank an unshard in the buffer's own dtype aliases the local shard (nothing to
+    # allocate or free); a bf16 unshard has a buffer of its own, as on many ranks.
     tensors = [("w", torch.randn(1000, 256, device="cuda")), ("b", torch.randn(256, device="cuda"))]
     buf = DBuffer(tensors, mesh)
+    before = torch.cuda.memory_allocated()
     buf.unshard().wait()
-    view = buf.full("w")
+    assert torch.cuda.memory_allocated() == before  # aliased
+    buf.unshard(dtype=torch.bfloat16).wait()
+    view = buf.full("w", dtype=torch.bfloat16)
     torch.cuda.synchronize()
     unsharded = torch.cuda.memory_allocated()
     buf.reshard()
-    nbytes = buf.layout.buffer_numel * 4
+    nbytes = buf.layout.buffer_numel * 2
     # The caching allocator rounds each block up to a multiple of 512 bytes.
     assert unsharded - torch.cuda.memory_allocated() == -(-nbytes // 512) * 512
     with pytest.raises(RuntimeError, match="unsharded tensor 'w' is freed"):
         view.sum()
-    buf.unshard().wait()
+    buf.unshard(dtype=torch.bfloat16).wait()
     assert torch.cuda.memory_allocated() == unsharded  # one allocation back, same size
-    assert torch.equal(view, tensors[0][1])
+    assert torch.equal(view, tensors[0][1].bfloat16())
 
 
 def test_free_waits_for_the_reading_stream(mesh: DeviceMesh, no_record_stream: None) -> None:
     # Unshard on a side stream (its pool owns the buffer), read on the default stream
     # behind a long sleep, reshard, then let the side stream take the same block and
     # overwrite it. Only the explicit wait in reshard() keeps the read ahead of the write.
+    # bf16: a buffer of its own even on one rank (see above).
     numel = 1 << 24
     buf = DBuffer([("w", torch.ones(numel, device="cuda"))], mesh)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        handle = buf.unshard()
+        handle = buf.unshard(dtype=torch.bfloat16)
     handle.wait()  # the default stream waits for the side stream's unshard
-    ptr = buf.full("w").data_ptr()
+    ptr = buf.full("w", dtype=torch.bfloat16).data_ptr()
     torch.cuda._sleep(SLEEP_CYCLES)
-    out = buf.full("w") * 2
+    out = buf.full("w", dtype=torch.bfloat16) * 2
     buf.reshard()
     with torch.cuda.stream(side):
-        reuse = torch.empty(numel, device="cuda")
+        reuse = torch.empty(numel, device="cuda", dtype=torch.bfloat16)
         reuse.fill_(-1.0)
     torch.cuda.synchronize()
     assert reuse.data_ptr() == ptr, "the allocator did not reuse the block: race not armed"

@@ -177,8 +177,10 @@ class DBuffer:
         if memory is None:
             offsets = dict(self.layout.offsets)
             numel = self.layout.buffer_numel
+            # On one rank the global buffer is the local shard: alias it (no copy, no memory).
+            backing = self.local if self._group.size() == 1 and dtype == self.dtype else None
             memory = FreeableBuffer(
-                numel, offsets, self._shapes, dtype, self.device, "unsharded tensor"
+                numel, offsets, self._shapes, dtype, self.device, "unsharded tensor", backing
             )
             self._global[dtype] = memory
         return memory.allocate()
@@ -217,9 +219,8 @@ class DBuffer:
             send = buffer[start : start + self.shard_size]
             send.copy_(self.local)
         works: list[dist.Work | None] = []
-        if self._group.size() == 1:  # the buffer is this rank's chunk
-            if dtype == self.dtype:
-                buffer.copy_(self.local)
+        if self._group.size() == 1:
+            pass  # the buffer aliases `local`, or the cast above already filled it
         else:
             with record_function("DBuffer::all_gather"):
                 works.append(

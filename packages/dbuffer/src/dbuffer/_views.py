@@ -10,13 +10,17 @@ subclass whose `__torch_function__` checks the storage first and raises a clear 
 Metadata (shape, dtype, strides, properties, hooks) stays readable while freed. Ops run on
 plain tensors and return plain tensors, so the check costs one Python call per op that takes a
 view directly and nothing downstream; outputs that alias the buffer (`t()`, `view`, slicing,
-`detach`, hence `nn.Parameter(view)`) are wrapped again, so they are guarded too.
+`detach`, hence `nn.Parameter(view)`, `.data`, `as_subclass(torch.Tensor)`) are wrapped
+again, so they are guarded too. `as_subclass` to another subclass is refused: its instances
+could not be guarded. A view that autograd saves for backward is unpacked through a check too,
+so a backward that runs while the buffer is freed raises the same clear error.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -47,10 +51,18 @@ _METADATA: frozenset[Callable[..., Any]] = frozenset(
 )
 
 
+class Memory(Protocol):
+    """What a view asks before an op: whether its buffer holds its memory now."""
+
+    @property
+    def allocated(self) -> bool: ...
+
+
 class BufferView(torch.Tensor):
     """A view of a DBuffer buffer (see the module docstring); `what` names it in errors."""
 
     what: str
+    memory: Memory
 
     @classmethod
     def __torch_function__(
@@ -69,19 +81,72 @@ class BufferView(torch.Tensor):
                 "__set__",
             ):
                 for view in views:
-                    if view.numel() and view.untyped_storage().nbytes() == 0:
+                    if view.numel() and not view.memory.allocated:
                         raise RuntimeError(
                             f"{view.what} is freed; {func_name(func)} cannot read it. "
                             f"{_hint(view.what)}"
                         )
-            out = func(*args, **kwargs)
+            if views and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+                # Ops that save a view for backward get its freed check at unpack time.
+                # Kernels save their own aliases (linear saves weight.t()): match by storage.
+                owners = {v.untyped_storage()._cdata: v for v in views}
+                pack = functools.partial(_pack, owners)
+                with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+                    out = func(*args, **kwargs)
+            else:
+                out = func(*args, **kwargs)
             return _rewrap(out, views, func)
 
+    def as_subclass(self, cls: type[torch.Tensor]) -> torch.Tensor:  # type: ignore[override]
+        """A guarded alias for `torch.Tensor`; other subclasses would escape the guard."""
+        if cls is torch.Tensor or issubclass(cls, BufferView):
+            return guard(torch.Tensor.as_subclass(self, torch.Tensor), self.what, self.memory)
+        raise TypeError(
+            f"as_subclass({cls.__name__}) of {self.what} would escape the guard against "
+            "reading freed memory; clone() it, or take .as_subclass(torch.Tensor) (guarded)"
+        )
 
-def guard(tensor: torch.Tensor, what: str) -> BufferView:
-    """`tensor` (a view of a freeable buffer) as a BufferView described as `what`."""
+
+class _Saved:
+    """An alias of a buffer that autograd saved for backward, with its version at the time."""
+
+    __slots__ = ("memory", "tensor", "version", "what")
+
+    def __init__(self, tensor: torch.Tensor, owner: BufferView) -> None:
+        self.tensor = tensor
+        self.what, self.memory = owner.what, owner.memory
+        self.version = tensor._version
+
+
+def _pack(owners: dict[int, BufferView], tensor: torch.Tensor) -> object:
+    owner = owners.get(tensor.untyped_storage()._cdata)
+    return tensor if owner is None else _Saved(tensor, owner)
+
+
+def _unpack(saved: object) -> torch.Tensor:
+    if not isinstance(saved, _Saved):
+        assert isinstance(saved, torch.Tensor)
+        return saved
+    tensor = saved.tensor
+    with plain_tensor_ops():
+        if tensor.numel() and not saved.memory.allocated:
+            raise RuntimeError(
+                f"{saved.what} is freed; backward needs it (autograd saved it in forward). "
+                f"{_hint(saved.what)}"
+            )
+        if tensor._version != saved.version:
+            raise RuntimeError(
+                f"one of the variables needed for gradient computation has been modified by "
+                f"an inplace operation: {saved.what} is at version {tensor._version}; expected "
+                f"version {saved.version} instead"
+            )
+    return tensor
+
+
+def guard(tensor: torch.Tensor, what: str, memory: Memory) -> BufferView:
+    """`tensor` (a view of `memory`) as a BufferView described as `what`."""
     view = tensor.as_subclass(BufferView)
-    view.what = what
+    view.what, view.memory = what, memory
     return view
 
 
@@ -118,22 +183,27 @@ def _rewrap(out: Any, views: list[BufferView], func: Callable[..., Any]) -> Any:
         return type(out)([_rewrap(o, views, func) for o in out])
     if not isinstance(out, torch.Tensor) or isinstance(out, BufferView):
         return out
-    if func is _DETACH:
-        return guard(out, views[0].what) if views else out
+    if func is _DETACH or func == _DATA:  # aliases that autograd does not mark as views
+        return guard(out, views[0].what, views[0].memory) if views else out
     if not out._is_view():
         return out
     base = out._base
     for view in views:
         if base is view or base is view._base:
-            return guard(out, view.what)
+            return guard(out, view.what, view.memory)
     return out
 
 
 _DETACH = torch.Tensor.detach
+_DATA = torch.Tensor.data.__get__  # type: ignore[attr-defined]
 
 
 def buffer_views(
-    buffer: torch.Tensor, offsets: dict[str, int], shapes: dict[str, torch.Size], what: str
+    buffer: torch.Tensor,
+    offsets: dict[str, int],
+    shapes: dict[str, torch.Size],
+    what: str,
+    memory: Memory,
 ) -> dict[str, torch.Tensor]:
     """Guarded views of `buffer`: tensor `name` of shape `shapes[name]` at `offsets[name]`.
 
@@ -142,6 +212,7 @@ def buffer_views(
         offsets: Global start of each tensor.
         shapes: Shape of each tensor.
         what: How errors name the views ("unsharded tensor", "full gradient").
+        memory: The owner the views ask whether the buffer is allocated.
 
     Returns:
         The views by name, each a BufferView described as f"{what} {name!r}".
@@ -149,5 +220,6 @@ def buffer_views(
     views: dict[str, torch.Tensor] = {}
     for name, off in offsets.items():
         numel = shapes[name].numel()
-        views[name] = guard(buffer[off : off + numel].view(shapes[name]), f"{what} {name!r}")
+        view = buffer[off : off + numel].view(shapes[name])
+        views[name] = guard(view, f"{what} {name!r}", memory)
     return views
