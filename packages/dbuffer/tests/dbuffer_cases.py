@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from rank_pool import expect_error
@@ -636,3 +638,25 @@ def check_apply_moves_storage() -> None:
     assert buf.dtype == torch.float64
     assert torch.equal(buf.sharded("w").full_tensor(), full["w"].double())
     expect_error(ValueError, lambda: buf.apply_(lambda t: t[:0]), "must return a tensor")
+
+
+# -- docstring examples ------------------------------------------------------------------------
+
+
+def _doctest_globs() -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    w, b = torch.randn(64, 16), torch.randn(16)
+    return {
+        "torch": torch,
+        "mesh": mesh,
+        "w": w,
+        "b": b,
+        "grad_w": torch.ones_like(w),
+        "buf": DBuffer([("w", w), ("b", b)], mesh, block_rows={"w": 32}),
+    }
+
+
+def check_doctests() -> dict[str, Any]:
+    from doctest_support import run_doctests
+
+    return run_doctests("dbuffer", _doctest_globs)

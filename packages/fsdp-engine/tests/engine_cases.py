@@ -845,3 +845,38 @@ def check_cuda_training() -> None:
     ref = _full_params(reference)
     for name, value in _full_params(model).items():
         torch.testing.assert_close(value, ref[name], msg=lambda m, n=name: f"{n}: {m}")
+
+
+# -- docstring examples ------------------------------------------------------------------------
+
+
+class Net(nn.Module):
+    """What the docstring examples call `model`: two linear blocks and a `generate` method."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+    def generate(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward(x)
+
+
+def _doctest_globs() -> dict[str, Any]:
+    torch.manual_seed(0)
+    return {
+        "torch": torch,
+        "model": Net(),
+        "fully_shard": fully_shard,
+        "FSDPModule": fsdp_engine.FSDPModule,
+    }
+
+
+def check_doctests() -> dict[str, Any]:
+    from doctest_support import run_doctests
+
+    return run_doctests("fsdp_engine", _doctest_globs)

@@ -588,3 +588,26 @@ def check_strided(units: tuple[int, int], path: str) -> None:
         assert "Shard(0) of size 3" in str(exc), exc
     else:
         raise AssertionError("a split_factor that is not the Shard(0) axis size must raise")
+
+
+# -- docstring examples ------------------------------------------------------------------------
+
+
+def _doctest_globs() -> dict[str, Any]:
+    mesh = _mesh()
+    weight = torch.arange(32.0).reshape(8, 4)
+    dt = distribute_tensor(weight, mesh, [RaggedShard((0,), (8,))])
+    return {
+        "torch": torch,
+        "mesh": mesh,
+        "weight": weight,
+        "dt": dt,
+        "Replicate": Replicate,
+        "distribute_tensor": distribute_tensor,
+    }
+
+
+def check_doctests() -> dict[str, Any]:
+    from doctest_support import run_doctests
+
+    return run_doctests("ragged_placement", _doctest_globs)

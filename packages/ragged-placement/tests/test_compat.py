@@ -137,3 +137,20 @@ def test_names_bound_before_the_import_work_with_ragged_shard(tmp_path) -> None:
         """
     )
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_exit_waits_for_gloo_worker_threads(tmp_path) -> None:
+    # A gloo worker thread that frees a Python-made tensor after shutdown began aborts the
+    # process; the exit handler sleeps (releasing the GIL) while such threads exist.
+    result = _python(
+        f"""
+        import atexit
+        import torch.distributed as dist
+        from ragged_placement import _compat
+        assert not _compat._gloo_threads_alive()
+        dist.init_process_group("gloo", init_method="file://{tmp_path}/rdv", rank=0, world_size=1)
+        assert _compat._gloo_threads_alive()
+        print("ok")
+        """
+    )
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]

@@ -67,9 +67,9 @@ class DBuffer:
         layout: A precomputed layout for exactly these tensors (names, sizes, world size).
 
     Example:
-        >>> buf = DBuffer([("w", w), ("b", b)], mesh, block_rows={"w": 32})  # doctest: +SKIP
-        >>> buf.unshard().wait()  # doctest: +SKIP
-        >>> buf.full("w") is buf.full("w")  # doctest: +SKIP
+        >>> buf = DBuffer([("w", w), ("b", b)], mesh, block_rows={"w": 32})
+        >>> buf.unshard().wait()
+        >>> buf.full("w") is buf.full("w")
         True
     """
 
@@ -203,7 +203,9 @@ class DBuffer:
             A Handle; call `wait()` on the stream that reads `full(name)`.
 
         Example:
-            >>> buf.unshard(dtype=torch.bfloat16).wait()  # doctest: +SKIP
+            >>> buf.unshard(dtype=torch.bfloat16).wait()
+            >>> buf.full("w", dtype=torch.bfloat16).dtype
+            torch.bfloat16
         """
         dtype = check_dtype("unshard dtype", dtype) or self.dtype
         memory = self._global.get(dtype)
@@ -273,7 +275,7 @@ class DBuffer:
         that pass). A reduce-scatter still in flight is waited for first: it reads the buffer.
 
         Example:
-            >>> buf.full_grad("w").add_(grad_w)  # doctest: +SKIP
+            >>> _ = buf.full_grad("w").add_(grad_w)
         """
         self._check_name(name)
         self._wait_reduce()
@@ -286,7 +288,9 @@ class DBuffer:
         added; so the buffer is never zeroed as a whole.
 
         Example:
-            >>> buf.accumulate_grad("w", grad_w)  # doctest: +SKIP
+            >>> buf.accumulate_grad("w", grad_w)
+            >>> torch.equal(buf.full_grad("w"), grad_w)
+            True
         """
         self._check_name(name)
         value: object = grad  # callers may pass anything; check before use
@@ -337,8 +341,10 @@ class DBuffer:
             which also frees the global gradient buffer.
 
         Example:
-            >>> buf.accumulate_grad("w", grad_w)  # doctest: +SKIP
-            >>> buf.reduce_scatter(op="avg").wait()  # doctest: +SKIP
+            >>> buf.accumulate_grad("w", grad_w)
+            >>> _ = buf.reduce_scatter(op="avg").wait()
+            >>> buf.sharded_grad("w").full_tensor().equal(grad_w)  # one rank: the average
+            True
         """
         if op not in _OPS:
             raise ValueError(f"op must be one of {sorted(_OPS)}, got {op!r}")
@@ -412,7 +418,8 @@ class DBuffer:
             A Handle; `local_grad` holds the result after `wait()`.
 
         Example:
-            >>> buf.reduce_scatter().wait(); buf.all_reduce().wait()  # doctest: +SKIP
+            >>> buf.accumulate_grad("w", grad_w)
+            >>> buf.reduce_scatter().wait(); buf.all_reduce().wait()  # no replicate axis: no-op
         """
         if op not in _OPS:
             raise ValueError(f"op must be one of {sorted(_OPS)}, got {op!r}")
@@ -452,7 +459,9 @@ class DBuffer:
             ValueError: `fn` did not return a tensor of S elements.
 
         Example:
-            >>> buf.apply_(lambda t: torch.empty_like(t, device="cpu"))  # doctest: +SKIP
+            >>> buf.apply_(lambda t: t.double())
+            >>> buf.sharded("w").dtype
+            torch.float64
         """
         if self.is_unsharded:
             raise RuntimeError("apply_() needs a resharded DBuffer: call reshard() first")

@@ -26,8 +26,8 @@ class Handle:
             temporaries the collective read).
 
     Example:
-        >>> handle = buf.unshard(async_op=True)  # doctest: +SKIP
-        >>> handle.wait()  # doctest: +SKIP
+        >>> handle = buf.unshard(async_op=True)
+        >>> handle.wait()
     """
 
     def __init__(

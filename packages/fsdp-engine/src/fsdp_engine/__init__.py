@@ -5,11 +5,16 @@ fully_shard`: each call puts its group's parameters in one planned buffer per dt
 shards it with RaggedShard (whole rows, or whole blocks of `block_rows` rows, per rank), and
 runs the all-gather and reduce-scatter in place on that buffer.
 
-Example:
+Example (`model`: a module with a list of blocks in `model.layers`):
+    >>> import torch
     >>> from fsdp_engine import MixedPrecisionPolicy, fully_shard
-    >>> for block in model.layers:  # doctest: +SKIP
-    ...     fully_shard(block)
-    >>> fully_shard(model)  # doctest: +SKIP
+    >>> mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    >>> for block in model.layers:
+    ...     _ = fully_shard(block, mp_policy=mp)
+    >>> model = fully_shard(model, mp_policy=mp)
+    >>> model(torch.randn(2, 8)).float().sum().backward()
+    >>> model.layers[0].weight.grad.dtype  # sharded, in the parameter's dtype
+    torch.float32
 """
 
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy

@@ -90,9 +90,11 @@ def fully_shard(
         The same module (or list), now FSDPModule(s).
 
     Example:
-        >>> for block in model.layers:  # doctest: +SKIP
-        ...     fully_shard(block, block_rows=32)
-        >>> fully_shard(model)  # doctest: +SKIP
+        >>> for block in model.layers:
+        ...     _ = fully_shard(block, block_rows=4)  # no shard boundary cuts 4 rows
+        >>> model = fully_shard(model)
+        >>> type(model.layers[0]).__name__, model.layers[0].weight.placements
+        ('FSDPLinear', (RaggedShard(dims=(0,), local_units=(2,)),))
     """
     modules = _check_modules(module)
     mesh = _resolve_mesh(mesh)
@@ -391,7 +393,10 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         method_name: The name of a method other than `forward` (e.g. "generate").
 
     Example:
-        >>> register_fsdp_forward_method(model, "generate")  # doctest: +SKIP
+        >>> model = fully_shard(model)
+        >>> register_fsdp_forward_method(model, "generate")
+        >>> model.generate(torch.randn(1, 8)).shape
+        torch.Size([1, 8])
     """
     state = state_of(module)
     method = getattr(module, method_name, None)

@@ -24,8 +24,9 @@ class UnshardHandle:
     """A pending `unshard(async_op=True)`; `wait()` makes the gathered parameters usable.
 
     Example:
-        >>> handle = model.layers[0].unshard(async_op=True)  # doctest: +SKIP
-        >>> handle.wait()  # doctest: +SKIP
+        >>> layer = fully_shard(model.layers[0])
+        >>> handle = layer.unshard(async_op=True)
+        >>> handle.wait()
     """
 
     def __init__(self, state: FSDPState) -> None:
@@ -73,8 +74,10 @@ class FSDPModule:
     """Mixin of every module `fully_shard` was applied to (its class becomes FSDP<Name>).
 
     Example:
-        >>> model = fully_shard(model)  # doctest: +SKIP
-        >>> model.set_requires_gradient_sync(False)  # doctest: +SKIP
+        >>> model = fully_shard(model)
+        >>> isinstance(model, FSDPModule), type(model).__name__
+        (True, 'FSDPNet')
+        >>> model.set_requires_gradient_sync(False)
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
@@ -97,7 +100,11 @@ class FSDPModule:
             An UnshardHandle if `async_op`, else None (the parameters are unsharded).
 
         Example:
-            >>> model.unshard()  # doctest: +SKIP
+            >>> model = fully_shard(model)
+            >>> model.unshard()
+            >>> weight = model.layers[0].weight  # the gathered parameter, not a DTensor
+            >>> isinstance(weight, torch.nn.Parameter), hasattr(weight, "placements")
+            (True, False)
         """
         state = state_of(self)  # type: ignore[arg-type]
         _check_bool("async_op", async_op)
@@ -137,7 +144,8 @@ class FSDPModule:
         """False: keep accumulating unsharded gradients, reduce at the next synced backward.
 
         Example:
-            >>> model.set_requires_gradient_sync(False)  # doctest: +SKIP
+            >>> model = fully_shard(model)
+            >>> model.set_requires_gradient_sync(False)  # e.g. all micro-batches but the last
         """
         value = _check_bool("requires_gradient_sync", requires_gradient_sync)
         for state in _states(self, recurse):  # type: ignore[arg-type]

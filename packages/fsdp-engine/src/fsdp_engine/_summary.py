@@ -57,9 +57,9 @@ def sharding_summary(module: nn.Module) -> list[GroupSummary]:
         The groups in module order.
 
     Example:
-        >>> groups = sharding_summary(model)  # doctest: +SKIP
-        >>> sum(g.padding_bytes for g in groups)  # doctest: +SKIP
-        0
+        >>> groups = sharding_summary(fully_shard(model))
+        >>> len(groups), sum(g.padding_bytes for g in groups)
+        (1, 0)
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"sharding_summary takes an nn.Module, got {type(module).__name__}")

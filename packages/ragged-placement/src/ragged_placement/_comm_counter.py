@@ -93,10 +93,10 @@ class CommCounter(DispatchMode):
     """Records collectives issued inside the `with` block, on this rank.
 
     Example:
-        >>> with CommCounter() as comms:  # doctest: +SKIP
-        ...     dt.redistribute(mesh, [Replicate()])
-        >>> comms.bytes_received, comms.counts()  # doctest: +SKIP
-        (24, Counter({'broadcast': 2}))
+        >>> with CommCounter() as comms:
+        ...     _ = distribute_tensor(weight, mesh, [Replicate()])  # broadcasts from rank 0
+        >>> comms.counts(), comms.bytes_received  # rank 0 is the source: it receives nothing
+        (Counter({'broadcast': 1}), 0)
     """
 
     def __init__(self) -> None:

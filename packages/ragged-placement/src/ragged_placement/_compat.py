@@ -26,13 +26,16 @@ fsdp_engine call too). A torch internal missing at install is an ImportError nam
 
 from __future__ import annotations
 
+import atexit
 import functools
 import inspect
 import math
 import os
+import time
 import types
 import warnings
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -341,12 +344,36 @@ def _torch_changed(what: str) -> ImportError:
     )
 
 
+def _let_gloo_release_work() -> None:
+    """At exit, gives gloo's worker threads a moment to drop the collectives they finished.
+
+    A gloo worker thread releases a finished collective's work object some time after
+    `wait()` has returned, and with it maybe the last reference to a tensor that Python made
+    (the pieces RaggedShard broadcasts into, a reduce-dtype temporary); freeing that tensor
+    takes the GIL. If the interpreter is already shutting down by then, the thread dies while
+    it unwinds: "terminate called without an active exception", SIGABRT, at the end of a
+    program that did all its work (seen here in a third to a half of 3-rank runs on 2 cores).
+    Exit handlers run while threads may still take the GIL; sleeping releases it.
+    """
+    if _gloo_threads_alive():
+        time.sleep(0.1)
+
+
+def _gloo_threads_alive() -> bool:
+    try:
+        names = [task.joinpath("comm").read_text() for task in Path("/proc/self/task").iterdir()]
+    except OSError:  # not Linux: assume they may be
+        return dist.is_available()
+    return any(name.startswith("pt_gloo_runloop") for name in names)
+
+
 def install(hooks: Hooks) -> None:
     """Wraps torch's DTensor entry points once (see the module docstring)."""
     if _installed:
         return
     check_torch_version()
     _installed.append(hooks)
+    atexit.register(_let_gloo_release_work)
     try:
         _install(hooks)
     except AttributeError as exc:  # a torch internal this version no longer has

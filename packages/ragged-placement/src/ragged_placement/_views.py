@@ -25,9 +25,8 @@ def flat_range(dt: DTensor) -> tuple[int, int]:
     With other placements on the mesh (HSDP, TP) the range is within the block they leave.
 
     Example:
-        >>> # with RaggedShard((0,), (1, 3)) on a (4, 2) tensor, rank 1 holds [2, 8)
-        >>> flat_range(dt)  # doctest: +SKIP
-        (2, 8)
+        >>> flat_range(dt)  # one rank holds all; with RaggedShard((0,), (1, 3)) rank 1: (8, 32)
+        (0, 32)
     """
     axis, placement = _ragged_axis(dt)
     spec = spec_of(dt)
@@ -50,8 +49,8 @@ def local_view(dt: DTensor) -> torch.Tensor:
     """The flat local piece viewed as (-1, *shape[k:]): whole rows of the trailing dims.
 
     Example:
-        >>> local_view(dt).shape  # doctest: +SKIP
-        torch.Size([3, 2])
+        >>> local_view(dt).shape, dt.to_local().shape
+        (torch.Size([8, 4]), torch.Size([32]))
     """
     axis, placement = _ragged_axis(dt)
     if isinstance(placement, StridedRaggedShard):
