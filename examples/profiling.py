@@ -6,6 +6,8 @@ Both work the same way for any engine, so that ours and torch FSDP2 are measured
 from __future__ import annotations
 
 import math
+import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -86,14 +88,29 @@ _COPY_OPS = (
 _BACKEND = ("c10d::", "DBuffer::wait")
 
 
-def _bytes_written(event: Any, itemsize: int) -> int:
-    """Bytes a copy kernel writes, from its recorded shapes (fp32)."""
+_DTYPE_BYTES = {
+    "double": 8,
+    "float": 4,
+    "c10::BFloat16": 2,
+    "c10::Half": 2,
+    "long int": 8,
+    "int": 4,
+}
+
+
+def _bytes_written(event: Any) -> int:
+    """Bytes a copy kernel writes, from its recorded shapes and dtypes."""
+    numels = [math.prod(shape) if shape else 0 for shape in event.input_shapes]
+    dtypes = list(getattr(event, "input_dtypes", [])) + [""] * len(numels)
     if event.name == "fsdp::all_gather_copy_in":  # writes this rank's slice of the output
+        itemsize = next((_DTYPE_BYTES[d] for d in dtypes if d in _DTYPE_BYTES), 4)
         return int(event.concrete_inputs[3]) * itemsize
-    numels = [math.prod(shape) for shape in event.input_shapes if shape]
-    # copy_(dst, src) and split_with_sizes_copy(all of it) write their largest operand;
+    if not numels or not any(numels):
+        return 0
+    # copy_(dst, src) and split_with_sizes_copy (all of it) write their largest operand;
     # chunk_cat writes its `out`, the largest.
-    return max(numels, default=0) * itemsize
+    largest = max(range(len(numels)), key=numels.__getitem__)
+    return numels[largest] * _DTYPE_BYTES.get(dtypes[largest], 4)
 
 
 @dataclass
@@ -104,22 +121,7 @@ class Copies:
     bytes: int = 0
 
 
-def engine_copies(fn: Callable[[], object], itemsize: int = 4) -> dict[str, Copies]:
-    """Copy kernels `fn` runs inside an FSDP engine's own profiler ranges ("FSDP::*").
-
-    Both our engine and torch FSDP2 label their work "FSDP::*". Counted on the training
-    thread, outside the collectives (`_BACKEND`); gloo's other internal copies run on its
-    own threads and are not counted for either engine.
-
-    Args:
-        fn: Runs the step(s) to measure.
-        itemsize: Bytes per element of the copied tensors.
-
-    Returns:
-        By op name, the kernels and the bytes they wrote.
-    """
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        fn()
+def _engine_copies(prof: Any) -> dict[str, Copies]:
     copies: dict[str, Copies] = {}
     for event in prof.events():
         if event.name not in _COPY_OPS:
@@ -135,5 +137,140 @@ def engine_copies(fn: Callable[[], object], itemsize: int = 4) -> dict[str, Copi
         if inside:
             entry = copies.setdefault(event.name, Copies())
             entry.kernels += 1
-            entry.bytes += _bytes_written(event, itemsize)
+            entry.bytes += _bytes_written(event)
     return copies
+
+
+def engine_copies(fn: Callable[[], object]) -> dict[str, Copies]:
+    """Copy kernels `fn` runs inside an FSDP engine's own profiler ranges ("FSDP::*").
+
+    Both our engine and torch FSDP2 label their work "FSDP::*". Counted on the training
+    thread, outside the collectives (`_BACKEND`); gloo's other internal copies run on its
+    own threads and are not counted for either engine. Bytes use each kernel's own dtype.
+
+    Args:
+        fn: Runs the step(s) to measure.
+
+    Returns:
+        By op name, the kernels and the bytes they wrote.
+    """
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    return _engine_copies(prof)
+
+
+# What the training thread does in a step, by the outermost profiler event it is inside.
+_COMM = (
+    "c10d::",
+    "comm::wait",
+    "DBuffer::wait",
+    "DBuffer::all_gather",
+    "DBuffer::reduce_scatter",
+    "DBuffer::all_reduce",
+    "_c10d_functional::",
+    "record_param_comms",
+    "FSDP::post_backward_rs_wait",
+)
+_ALLOC = (
+    "aten::empty",
+    "aten::empty_strided",
+    "aten::resize_",
+    "aten::new_empty",
+    "aten::zeros",
+    "aten::new_zeros",
+)
+
+
+@dataclass
+class StepBreakdown:
+    """Where one step's wall time went on the training thread, in seconds.
+
+    Attributes:
+        total: The step, under the profiler (slower than unprofiled).
+        comm: Blocked in or launching collectives (exposed communication).
+        copies: Engine copy kernels (inside "FSDP::*" ranges, outside collectives).
+        alloc: Engine allocations (empty / resize_ inside "FSDP::*" ranges).
+        compute: The rest: forward, backward and optimizer math, and framework overhead.
+    """
+
+    total: float
+    comm: float
+    copies: float
+    alloc: float
+
+    @property
+    def compute(self) -> float:
+        return self.total - self.comm - self.copies - self.alloc
+
+
+def step_breakdown(fn: Callable[[], object]) -> StepBreakdown:
+    """Profiles one call of `fn` and splits its wall time (see `StepBreakdown`).
+
+    Each interval counts once, in the outermost matching event: communication (launching a
+    collective, or waiting for one: `Work.wait` is labelled while `fn` runs, for both engines
+    alike), then copies and allocations made by the engine (inside its "FSDP::*" ranges);
+    compute is the remainder. Only the training thread's events count (gloo works on its own
+    threads).
+    """
+    import torch.distributed as dist
+    from torch.autograd.profiler import record_function
+
+    # Waiting on a collective is a plain Python call for either engine: label it.
+    original_wait = dist.Work.wait
+
+    def labelled_wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with record_function("comm::wait"):
+            return original_wait(self, *args, **kwargs)
+
+    dist.Work.wait = labelled_wait  # type: ignore[method-assign]
+    try:
+        start = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            fn()
+        total = time.perf_counter() - start
+    finally:
+        dist.Work.wait = original_wait  # type: ignore[method-assign]
+    events = prof.events()
+    # The profiler numbers threads itself; the training thread is the one running FSDP::*.
+    engine_threads = Counter(e.thread for e in events if e.name.startswith("FSDP::"))
+    thread = engine_threads.most_common(1)[0][0] if engine_threads else None
+    sums = {"comm": 0.0, "copies": 0.0, "alloc": 0.0}
+    for event in events:
+        if event.thread != thread:
+            continue
+        kind = _kind(event)
+        if kind is None or _counted_above(event):
+            continue
+        if kind != "comm" and not _inside_engine(event):
+            continue
+        sums[kind] += event.time_range.elapsed_us() / 1e6
+    return StepBreakdown(total, sums["comm"], sums["copies"], sums["alloc"])
+
+
+def _kind(event: Any) -> str | None:
+    name = event.name
+    if name.startswith(_COMM):
+        return "comm"
+    if name in _COPY_OPS:
+        return "copies"
+    if name in _ALLOC:
+        return "alloc"
+    return None
+
+
+def _counted_above(event: Any) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if _kind(parent) is not None:
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def _inside_engine(event: Any) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("FSDP::"):
+            return True
+        parent = parent.cpu_parent
+    return False

@@ -12,6 +12,7 @@ runs in one step and their bytes, the bytes all-gathered and reduce-scattered pe
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import pathlib
@@ -32,7 +33,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "examples"))
 
 from model import Config, Decoder, loss_fn  # noqa: E402
-from profiling import engine_copies, peak_live_bytes  # noqa: E402
+from profiling import engine_copies, peak_live_bytes, step_breakdown  # noqa: E402
 
 MODELS = {
     # 58.5M parameters: 8 blocks of dim 512 (25.7M), embedding and head of vocab 32000.
@@ -109,16 +110,38 @@ def _case(name: str, dtype: str, steps: int, batch: int, seq: int) -> dict[str, 
         model = engines[engine][0]
         with CommCounter() as counter:
             step(engine)
-        copies = engine_copies(lambda e=engine: step(e), itemsize=4)
+        copies = engine_copies(lambda e=engine: step(e))
+        parts = step_breakdown(lambda e=engine: step(e))
         result[engine] = {
             "median_step_s": statistics.median(times[engine]),
-            "peak_live_bytes": peak_live_bytes(lambda e=engine: step(e), include_live=True),
             "copy_kernels": sum(c.kernels for c in copies.values()),
             "copy_bytes": sum(c.bytes for c in copies.values()),
             "wire_bytes_received": counter.bytes_received,
             "padding_bytes": _padding_bytes(model, engine, world),
             "num_params": sum(p.numel() for p in model.parameters()),
+            "breakdown_s": {
+                "total": parts.total,
+                "compute": parts.compute,
+                "comm": parts.comm,
+                "copies": parts.copies,
+                "alloc": parts.alloc,
+            },
         }
+    # Peak memory with only one engine's model, optimizer and buffers alive: the live bytes
+    # at the start of the step count every tensor reachable, so the other engine must be
+    # gone. FSDP2 goes first; then ours goes and FSDP2 is built again (two warm-up steps).
+    del model, copies
+    for engine in ("ours", "fsdp2"):
+        for other in [e for e in engines if e != engine]:
+            del engines[other]
+        if engine not in engines:
+            engines[engine] = _build(name, engine, dtype, mesh)
+            step(engine)
+            step(engine)
+        gc.collect()
+        result[engine]["peak_live_bytes"] = peak_live_bytes(
+            lambda e=engine: step(e), include_live=True
+        )
     result["time_ratio"] = result["ours"]["median_step_s"] / result["fsdp2"]["median_step_s"]
     result["peak_ratio"] = result["ours"]["peak_live_bytes"] / result["fsdp2"]["peak_live_bytes"]
     return result
@@ -156,6 +179,14 @@ def _print(r: dict[str, Any]) -> None:
         f" {theirs['padding_bytes']:,} B",
         flush=True,
     )
+    for engine in ("ours", "fsdp2"):
+        b = r[engine]["breakdown_s"]
+        print(
+            f"    {engine:5} profiled step {b['total'] * 1e3:7.1f} ms: compute "
+            f"{b['compute'] * 1e3:7.1f}, exposed comm {b['comm'] * 1e3:6.1f}, copies "
+            f"{b['copies'] * 1e3:5.1f}, alloc {b['alloc'] * 1e3:5.1f}",
+            flush=True,
+        )
 
 
 def _plot(results: list[dict[str, Any]], path: pathlib.Path) -> None:
