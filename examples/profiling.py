@@ -200,6 +200,7 @@ class StepBreakdown:
 
     @property
     def compute(self) -> float:
+        """The remainder: what is neither communication nor the engine's copies or allocs."""
         return self.total - self.comm - self.copies - self.alloc
 
 
