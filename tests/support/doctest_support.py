@@ -73,3 +73,26 @@ def run_readme_example(readme: pathlib.Path, tmp: pathlib.Path, nproc: int = 1) 
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
+
+
+def docs_tests(readme: pathlib.Path, cases: str, min_examples: int) -> tuple[Any, Any]:
+    """The two tests every torch package runs on its docs (bind them in a test module).
+
+    Args:
+        readme: The package README.
+        cases: The module (importable in the ranks) with `check_doctests()`.
+        min_examples: How many docstring examples must have run, at least.
+    """
+    import pytest
+
+    def test_docstring_examples_run(pools: Any) -> None:
+        check = importlib.import_module(cases).check_doctests
+        (result,) = pools[1].run(check)
+        assert result["failed"] == 0, result["report"]
+        assert result["attempted"] >= min_examples, result
+
+    @pytest.mark.parametrize("nproc", [1, 3])
+    def test_readme_example_runs(tmp_path: pathlib.Path, nproc: int) -> None:
+        run_readme_example(readme, tmp_path, nproc)
+
+    return test_docstring_examples_run, test_readme_example_runs

@@ -660,3 +660,32 @@ def check_doctests() -> dict[str, Any]:
     from doctest_support import run_doctests
 
     return run_doctests("dbuffer", _doctest_globs)
+
+
+def check_release_grad() -> None:
+    """release_grad() returns the shard; views handed out keep their memory and values."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,))
+    tensors = _tensors(world, "fp32", seed=13)
+    buf = DBuffer(tensors, mesh)
+    assert not buf.has_local_grad  # made on first use
+    for name, t in tensors:
+        buf.accumulate_grad(name, torch.full_like(t, float(rank + 1)))
+    buf.reduce_scatter(op="avg").wait()
+    mean = sum(range(1, world + 1)) / world
+    held = buf.sharded_grad(tensors[0][0])
+    buf.release_grad()
+    assert not buf.has_local_grad
+    assert torch.equal(held.full_tensor(), torch.full_like(tensors[0][1], mean))  # still valid
+    fresh = buf.sharded_grad(tensors[0][0])
+    assert fresh is not held and not fresh.to_local().any()  # a new, zeroed shard
+    buf.release_grad()
+    for name, t in tensors:
+        buf.accumulate_grad(name, torch.ones_like(t))
+    buf.reduce_scatter(op="sum").wait()  # allocates without zeroing: it writes every element
+    got = buf.sharded_grad(tensors[-1][0]).full_tensor()
+    assert torch.equal(got, torch.full_like(tensors[-1][1], float(world)))
+    buf.zero_grad()
+    buf.release_grad()
+    buf.zero_grad()  # nothing allocated: nothing to zero, and nothing is made
+    assert not buf.has_local_grad

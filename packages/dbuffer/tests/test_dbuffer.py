@@ -89,3 +89,8 @@ def test_backward_after_reshard_and_unshard(pools, world) -> None:
     for prefetch in (False, True):
         for dtype in ("fp32", "bf16"):
             pools[world].run(cases.check_backward_after_reshard_and_unshard, prefetch, dtype)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_release_grad(pools, world) -> None:
+    pools[world].run(cases.check_release_grad)

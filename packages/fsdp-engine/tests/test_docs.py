@@ -2,20 +2,8 @@
 
 import pathlib
 
-import pytest
-from doctest_support import run_readme_example
+from doctest_support import docs_tests
 
 README = pathlib.Path(__file__).parent.parent / "README.md"
 
-
-def test_docstring_examples_run(pools) -> None:
-    import engine_cases as cases
-
-    (result,) = pools[1].run(cases.check_doctests)
-    assert result["failed"] == 0, result["report"]
-    assert result["attempted"] >= 15, result
-
-
-@pytest.mark.parametrize("nproc", [1, 3])
-def test_readme_example_runs(tmp_path, nproc) -> None:
-    run_readme_example(README, tmp_path, nproc)
+test_docstring_examples_run, test_readme_example_runs = docs_tests(README, "engine_cases", 15)

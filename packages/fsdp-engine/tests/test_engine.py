@@ -100,3 +100,8 @@ def test_schedule_setters(pools, world) -> None:
 
 def test_requires_all_reduce_hsdp(pools) -> None:
     pools[4].run(cases.check_requires_all_reduce)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_gradient_shards_are_released_after_zero_grad(pools, world) -> None:
+    pools[world].run(cases.check_gradient_shards_released)

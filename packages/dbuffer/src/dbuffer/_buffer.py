@@ -118,10 +118,8 @@ class DBuffer:
         self._pending_unshards: dict[torch.dtype, Handle] = {}
         self._grad = FullGradBuffer(self.layout, self._shapes, self.dtype, self.device)
         self._pending_reduce: Handle | None = None
-        self.local_grad = torch.zeros_like(self.local)
-        self._sharded_grads = {
-            name: self._make_sharded(name, self.local_grad) for name, _ in tensors
-        }
+        self._local_grad: torch.Tensor | None = None
+        self._sharded_grads: dict[str, DTensor] = {}
 
     # -- sizes and names ----------------------------------------------------------------------
 
@@ -168,7 +166,43 @@ class DBuffer:
     def sharded_grad(self, name: str) -> DTensor:
         """The reduced gradient of `name`, a RaggedShard DTensor viewing `local_grad`."""
         self._check_name(name)
-        return self._sharded_grads[name]
+        view = self._sharded_grads.get(name)
+        if view is None:
+            view = self._sharded_grads[name] = self._make_sharded(name, self.local_grad)
+        return view
+
+    @property
+    def local_grad(self) -> torch.Tensor:
+        """This rank's shard of the reduced gradients (S elements), zeros when first made.
+
+        Allocated on first use and kept until `release_grad()`; `reduce_scatter()` writes it
+        (without zeroing first when it overwrites).
+        """
+        if self._local_grad is None:
+            self._local_grad = torch.zeros_like(self.local)
+        return self._local_grad
+
+    @property
+    def has_local_grad(self) -> bool:
+        """Whether the gradient shard is allocated now (see `release_grad`)."""
+        return self._local_grad is not None
+
+    def release_grad(self) -> None:
+        """Drops the sharded gradient shard; the next use allocates a new one.
+
+        For when nobody needs the gradients any more (the optimizer stepped and `.grad` was
+        set to None): the memory is returned at once instead of being held through the next
+        forward. Views handed out before keep their own memory alive, so none of them reads
+        freed memory; `sharded_grad(name)` returns new views afterwards.
+
+        Example:
+            >>> buf.release_grad()
+            >>> buf.local_grad.count_nonzero().item()  # a new, zeroed shard
+            0
+        """
+        self._wait_reduce()
+        self._local_grad = None
+        self._sharded_grads = {}
 
     # -- unshard / reshard --------------------------------------------------------------------
 
@@ -362,9 +396,12 @@ class DBuffer:
         # In a reduce dtype the collective reads a cast copy and writes a temporary; both
         # stay referenced by the handle until the collective is done.
         send = grad if reduce_dtype in (None, self.dtype) else grad.to(reduce_dtype)
+        overwrite = send.dtype == self.dtype and not accumulate
+        if overwrite and self._local_grad is None:  # every element is written: no zeroing
+            self._local_grad = torch.empty_like(self.local)
         out = (
             self.local_grad
-            if send.dtype == self.dtype and not accumulate
+            if overwrite
             else torch.empty(self.shard_size, dtype=send.dtype, device=self.device)
         )
         works: list[dist.Work | None] = []
@@ -474,21 +511,20 @@ class DBuffer:
             )
         self.local = local.contiguous().view(-1)
         self.dtype, self.device = self.local.dtype, self.local.device
-        self.local_grad = torch.zeros_like(self.local)
+        self._local_grad = None
         self._global = {}
         self._pending_unshards = {}
         self._grad = FullGradBuffer(self.layout, self._shapes, self.dtype, self.device)
         self._sharded = {name: self._make_sharded(name, self.local) for name in self.names}
-        self._sharded_grads = {
-            name: self._make_sharded(name, self.local_grad) for name in self.names
-        }
+        self._sharded_grads = {}
 
     # -- group ops ----------------------------------------------------------------------------
 
     def zero_grad(self) -> None:
         """Zeroes the local gradient (one kernel) and the global one (lazily, no kernel)."""
         self._wait_reduce()
-        self.local_grad.zero_()
+        if self._local_grad is not None:  # a shard not made yet is zeros when it is
+            self._local_grad.zero_()
         self._grad.zero()
 
     def scale_grad_(self, factor: float) -> None:
@@ -496,7 +532,8 @@ class DBuffer:
         value: object = factor  # callers may pass anything; check before use
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise TypeError(f"scale_grad_ factor must be a number, got {factor!r}")
-        self.local_grad.mul_(factor)
+        if self._local_grad is not None:
+            self._local_grad.mul_(factor)
 
     def copy_(self, other: DBuffer | Mapping[str, torch.Tensor]) -> None:
         """Copies values from a DBuffer of the same layout (one kernel) or full tensors by name."""

@@ -229,6 +229,18 @@ class ParamGroup:
                 buffer.local_grad.add_(old)
         pending.done = True
 
+    def release_unused_gradients(self) -> None:
+        """Releases each DBuffer's gradient shard when no parameter's `.grad` points into it.
+
+        The next reduce allocates a new one; gradients a user still holds keep their memory.
+        """
+        if self._pending_reduce is not None:
+            return
+        for buffer in self.buffers:
+            members = [p for p in self.params if p.buffer is buffer and p.requires_grad]
+            if all(p.sharded.grad is None for p in members):
+                buffer.release_grad()
+
     @property
     def has_reduce(self) -> bool:
         """Whether a reduce was issued whose gradients are not handed out yet."""

@@ -121,6 +121,12 @@ class FSDPState:
             # The optimizer step recorded this event: the gathers below must see its writes.
             context.post_optim_event.wait()
             context.post_optim_event = None
+        if self.is_root and self.phase is not Phase.FORWARD:
+            # Gradient shards nobody holds any more (zero_grad set them to None) go back now,
+            # not after this forward and backward (FSDP2 holds none across steps either).
+            for state in context.states:
+                if state.group is not None:
+                    state.group.release_unused_gradients()
         first = self.phase is not Phase.FORWARD  # the first module of this group to run
         if first:
             self.phase = Phase.FORWARD
