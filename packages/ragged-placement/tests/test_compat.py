@@ -28,6 +28,8 @@ def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
 def test_running_torch_is_supported_and_exported() -> None:
     assert _compat.torch_version() in ragged_placement.SUPPORTED_TORCH, torch.__version__
     ragged_placement.check_torch_version("anything")  # returns quietly
+    with pytest.raises(TypeError, match="takes the package name"):
+        ragged_placement.check_torch_version(3)  # type: ignore[arg-type]
 
 
 def test_every_binding_of_a_redirected_function_reaches_the_wrapper() -> None:

@@ -160,3 +160,14 @@ def test_local_rows_names_the_rows_each_rank_holds() -> None:
     cut = plan_layout([TensorSpec("v", 10)], world_size=3)
     with pytest.raises(ValueError, match="has no shape"):
         cut.local_rows("v", 0)
+
+
+def test_plan_helpers_reject_the_wrong_types() -> None:
+    from shard_planner import dump_plan, explain_padding, load_plan
+
+    with pytest.raises(TypeError, match="mapping of group name to Layout"):
+        dump_plan({"g": "not a layout"})  # type: ignore[dict-item]
+    with pytest.raises(TypeError, match="takes the JSON text, got bytes"):
+        load_plan(b"{}")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="takes a Layout, got dict"):
+        explain_padding({})  # type: ignore[arg-type]

@@ -255,9 +255,8 @@ class DBuffer:
             send = buffer[start : start + self.shard_size]
             send.copy_(self.local)
         works: list[dist.Work | None] = []
-        if self._group.size() == 1:
-            pass  # the buffer aliases `local`, or the cast above already filled it
-        else:
+        # On one rank the buffer aliases `local`, or the cast above already filled it.
+        if self._group.size() > 1:
             with record_function("DBuffer::all_gather"):
                 works.append(
                     dist.all_gather_single(buffer, send, group=self._group, async_op=async_op)

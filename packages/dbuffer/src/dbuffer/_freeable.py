@@ -67,9 +67,9 @@ class FreeableBuffer:
     @property
     def allocated(self) -> bool:
         """Whether the buffer holds memory now (an empty buffer always does)."""
-        t = self._tensor
         if self._backing is not None:
             return self._live
+        t = self._tensor
         return t is not None and (t.numel() == 0 or t.untyped_storage().nbytes() > 0)
 
     def allocate(self) -> torch.Tensor:
@@ -91,9 +91,7 @@ class FreeableBuffer:
             )
             self._writer = _alias(self._tensor)
             self._stream = current_stream(self._device)
-        elif self._backing is not None:
-            pass
-        elif not self.allocated:
+        elif self._backing is None and not self.allocated:
             self._tensor.untyped_storage().resize_(self._numel * self._dtype.itemsize)
             self._stream = current_stream(self._device)
         self._live = True

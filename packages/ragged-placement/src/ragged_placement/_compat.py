@@ -100,6 +100,8 @@ def check_torch_version(package: str = "ragged_placement") -> None:
         >>> from ragged_placement import check_torch_version
         >>> check_torch_version("my_package")  # on torch 2.13 or 2.14: returns None
     """
+    if not isinstance(package, str):
+        raise TypeError(f"check_torch_version takes the package name, got {package!r}")
     if torch_version() in SUPPORTED_TORCH:
         return
     supported = ", ".join(f"{a}.{b}" for a, b in SUPPORTED_TORCH)

@@ -325,6 +325,11 @@ def dump_plan(layouts: Mapping[str, Layout]) -> str:
         >>> load_plan(text)["g"].shard_size
         4
     """
+    given: object = layouts  # callers may pass anything; check before trusting the hint
+    if not isinstance(given, Mapping) or not all(
+        isinstance(name, str) and isinstance(layout, Layout) for name, layout in given.items()
+    ):
+        raise TypeError(f"dump_plan takes a mapping of group name to Layout, got {layouts!r}")
     return json.dumps(
         {"version": _JSON_VERSION, "groups": {n: v.to_dict() for n, v in layouts.items()}},
         indent=1,
@@ -336,7 +341,10 @@ def load_plan(text: str) -> dict[str, Layout]:
 
     Raises:
         ValueError: The text is neither, or a layout breaks a constraint (named).
+        TypeError: `text` is not a str.
     """
+    if not isinstance(text, str):
+        raise TypeError(f"load_plan takes the JSON text, got {type(text).__name__}")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:

@@ -181,6 +181,8 @@ def explain_padding(layout: Layout) -> str | None:
         >>> print(explain_padding(plan_layout(specs, world_size=8)))  # doctest: +ELLIPSIS
         pads 4,970,334 elements, more than FSDP2's 12,502: ... the largest block (a, 783,993 ...
     """
+    if not isinstance(layout, Layout):
+        raise TypeError(f"explain_padding takes a Layout, got {type(layout).__name__}")
     if any(spec.shape is None for spec in layout.tensors):
         return None
     fsdp2 = fsdp2_padding(layout.tensors, layout.world_size)
