@@ -1,0 +1,248 @@
+"""AdamW with both moments in 8 bits, one float32 scale per 2-D block.
+
+Per step and parameter: dequantize the moments, update them and the parameter in float32 (the
+parameter update uses the new unquantized moments, so the first step is fp32 AdamW's), then
+requantize with the new block absmax. The state of a 2-D parameter with at least
+`min_8bit_numel` elements (decided on the global shape, so every mesh makes the same choice)
+is 8-bit; any other keeps float32 moments. A sharded parameter's pieces must hold whole
+blocks of rows, which makes each rank's codes and scales the exact slice of the one-process
+state: the step needs no communication and gives the same bits on any number of ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement, Replicate
+from torch.optim import Optimizer
+
+from ragged_optimizers._adamw import adamw_step, check_betas, check_nonnegative
+from ragged_optimizers._layout import Layout, layout_of, local_flat
+from ragged_optimizers._quantize import dequantize, quantize
+from ragged_placement import RaggedShard
+
+
+def _check_block(block_size: object) -> tuple[int, int]:
+    if isinstance(block_size, tuple | list) and len(block_size) == 2:
+        rows, cols = block_size
+        if all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in (rows, cols)):
+            return int(rows), int(cols)
+    raise ValueError(f"block_size must be a pair of ints >= 1, got {block_size!r}")
+
+
+class AdamW8bit(Optimizer):
+    """AdamW whose moments are stored in 8 bits per element plus a float32 scale per block.
+
+    Works on plain tensors, RaggedShard DTensors (cut at multiples of `block_size[0]` rows:
+    `block_rows=32` in DBuffer / fully_shard) and Shard(0) DTensors whose chunks are whole
+    blocks. State of about 2.008 bytes per parameter for 32 x 32 blocks (fp32 AdamW: 8).
+
+    Non-finite gradients: an element whose gradient is NaN or +-Inf is skipped (the
+    parameter keeps its value, weight decay included) and both its moments are reset to 0.
+
+    Args:
+        params: Parameters, named parameters or param groups.
+        lr: Learning rate.
+        betas: (beta1, beta2).
+        eps: Added to the bias-corrected square root of the second moment.
+        weight_decay: Decoupled weight decay (p *= 1 - lr * weight_decay).
+        block_size: (rows, cols) of a quantization block.
+        min_8bit_numel: 2-D parameters with fewer elements (global count) keep fp32 state.
+
+    Example:
+        >>> layer = torch.nn.Linear(128, 64)
+        >>> opt = AdamW8bit(layer.parameters())
+        >>> layer(torch.randn(2, 128)).sum().backward()
+        >>> opt.step()
+        >>> opt.state[layer.weight]["exp_avg"].dtype, opt.state[layer.bias]["exp_avg"].dtype
+        (torch.uint8, torch.float32)
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        block_size: tuple[int, int] = (32, 32),
+        min_8bit_numel: int = 4096,
+    ) -> None:
+        if isinstance(min_8bit_numel, bool) or not isinstance(min_8bit_numel, int):
+            raise ValueError(f"min_8bit_numel must be an int, got {min_8bit_numel!r}")
+        defaults = {
+            "lr": lr,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "block_size": block_size,
+            "min_8bit_numel": min_8bit_numel,
+        }
+        self._layouts: dict[int, Layout] = {}
+        self._param_names: dict[int, str] = {}
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Adds a param group (checked: hyper-parameters, and block-aligned shards)."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        check_nonnegative(group["lr"], "learning rate")
+        check_nonnegative(group["eps"], "epsilon value")
+        check_nonnegative(group["weight_decay"], "weight_decay value")
+        group["betas"] = check_betas(group["betas"])
+        group["block_size"] = _check_block(group["block_size"])
+        names = group.get("param_names") or [
+            f"params[{len(self._param_names) + i}]" for i in range(len(group["params"]))
+        ]
+        for param, name in zip(group["params"], names, strict=True):
+            self._param_names[id(param)] = name
+            layout = self._layouts[id(param)] = layout_of(param, name)
+            if self._is_8bit(layout, group):
+                _block_rows(layout, group["block_size"], name)
+
+    @staticmethod
+    def _is_8bit(layout: Layout, group: dict[str, Any]) -> bool:
+        return len(layout.shape) == 2 and layout.numel >= group["min_8bit_numel"]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Performs one optimization step.
+
+        Args:
+            closure: Re-evaluates the model and returns the loss (optional).
+
+        Returns:
+            The closure's loss, or None.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    self._update(param, group)
+        return loss
+
+    def _update(self, param: torch.Tensor, group: dict[str, Any]) -> None:
+        layout = self._layouts[id(param)]
+        eight_bit = self._is_8bit(layout, group)
+        state = self.state[param]
+        if "step" not in state:
+            state.update(self._initial_state(param, layout, group, eight_bit))
+        state["step"] += 1
+        assert param.grad is not None
+        local = local_flat(param)
+        grad = local_flat(param.grad)
+        block = group["block_size"]
+        cols = layout.shape[-1] if eight_bit else 1
+        grid_cols = -(-cols // block[1])
+        if eight_bit:
+            exp_avg, exp_avg_sq = (
+                dequantize(
+                    _local2d(state[key], cols),
+                    _local2d(state[f"{key}_scale"], grid_cols),
+                    block,
+                    signed=signed,
+                ).view(-1)
+                for key, signed in (("exp_avg", True), ("exp_avg_sq", False))
+            )
+        else:
+            exp_avg, exp_avg_sq = local_flat(state["exp_avg"]), local_flat(state["exp_avg_sq"])
+        work = local if local.dtype == torch.float32 else local.float()
+        finite = torch.isfinite(grad)
+        all_finite = bool(finite.all())
+        before = None if all_finite else work.clone()
+        grad32 = grad.float() if all_finite else torch.where(finite, grad.float(), 0.0)
+        adamw_step(
+            work,
+            grad32,
+            exp_avg,
+            exp_avg_sq,
+            step=int(state["step"].item()),
+            lr=group["lr"],
+            betas=group["betas"],
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+        )
+        if before is not None:
+            work.copy_(torch.where(finite, work, before))
+            exp_avg.masked_fill_(~finite, 0.0)
+            exp_avg_sq.masked_fill_(~finite, 0.0)
+        if work is not local:
+            local.copy_(work)
+        if eight_bit:
+            moments = (("exp_avg", exp_avg, True), ("exp_avg_sq", exp_avg_sq, False))
+            for key, values, signed in moments:
+                codes, scales = quantize(values.view(-1, cols), block, signed=signed)
+                local_flat(state[key]).copy_(codes.view(-1))
+                local_flat(state[f"{key}_scale"]).copy_(scales.view(-1))
+
+    def _initial_state(
+        self, param: torch.Tensor, layout: Layout, group: dict[str, Any], eight_bit: bool
+    ) -> dict[str, torch.Tensor]:
+        local = local_flat(param)
+        state = {"step": torch.tensor(0.0)}
+        if not eight_bit:
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key] = layout.wrap(torch.zeros_like(local, dtype=torch.float32), param)
+            return state
+        block = group["block_size"]
+        rows = [_block_rows(layout, block, "")[r] for r in range(layout.num_ranks)]
+        grid_cols = -(-layout.shape[1] // block[1])
+        lo, hi = rows[layout.rank]
+        for key in ("exp_avg", "exp_avg_sq"):
+            state[key] = layout.wrap(torch.zeros_like(local, dtype=torch.uint8), param)
+            scales = torch.zeros(hi - lo, grid_cols, device=local.device)
+            state[f"{key}_scale"] = _wrap_grid(scales, layout, param, rows, grid_cols)
+        return state
+
+
+def _block_rows(layout: Layout, block: tuple[int, int], name: str) -> list[tuple[int, int]]:
+    """Every rank's [first, end) block row; a ValueError when a piece cuts a block."""
+    cols = layout.shape[1]
+    out = []
+    for rank in range(layout.num_ranks):
+        rows = layout.piece_rows(rank, block[0] * cols)
+        if rows is None:
+            lo, hi = layout.ranges[rank]
+            raise ValueError(
+                f"AdamW8bit: {name} of shape {layout.shape} is sharded so that rank {rank} "
+                f"holds elements [{lo}, {hi}), which cuts a {block[0]}-row quantization block; "
+                f"shard it in whole blocks (block_rows={block[0]} in DBuffer / fully_shard) or "
+                f"give it fp32 state (min_8bit_numel > {layout.numel})"
+            )
+        out.append(rows)
+    return out
+
+
+def _wrap_grid(
+    scales: torch.Tensor,
+    layout: Layout,
+    like: torch.Tensor,
+    rows: list[tuple[int, int]],
+    grid_cols: int,
+) -> torch.Tensor:
+    """The local scales as a DTensor of the whole grid, split like the parameter's rows."""
+    if not isinstance(like, DTensor):
+        return scales
+    grid_rows = rows[-1][1]
+    placements: list[Placement] = [Replicate()] * like.device_mesh.ndim
+    if layout.axis is not None:
+        placements[layout.axis] = RaggedShard((0,), [hi - lo for lo, hi in rows])
+    local = scales.view(-1) if layout.axis is not None else scales
+    return DTensor.from_local(
+        local,
+        like.device_mesh,
+        placements,
+        run_check=False,
+        shape=torch.Size((grid_rows, grid_cols)),
+        stride=(grid_cols, 1),
+    )
+
+
+def _local2d(tensor: torch.Tensor, cols: int) -> torch.Tensor:
+    return local_flat(tensor).view(-1, cols)

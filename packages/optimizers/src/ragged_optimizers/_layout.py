@@ -1,0 +1,143 @@
+"""Where each rank's piece of a parameter lies, read from its placements without communication.
+
+Both optimizers work on flat pieces: a parameter of global shape `shape` is split along one
+mesh axis into contiguous ranges of its row-major flattening, one per rank (RaggedShard pieces
+are such ranges by definition; FSDP2's Shard(0) chunks of whole rows are too). Every rank
+computes every other rank's range from the placement alone, so plans made from layouts agree
+on all ranks without a collective. Other mesh axes must be Replicate (HSDP's replica axis):
+each replica then runs the same step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
+
+from ragged_placement import RaggedShard
+from ragged_placement._placement import chunk_range
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One parameter's global shape and every rank's flat range along its shard axis.
+
+    Attributes:
+        shape: The global (logical) shape.
+        ranges: [start, end) of each rank's piece of the flattened tensor, in rank order;
+            one range covering everything for a plain or replicated tensor.
+        rank: This rank's index on the shard axis (0 when not sharded).
+        mesh: The DTensor's mesh, None for a plain tensor.
+        placements: The DTensor's placements, () for a plain tensor.
+        axis: The mesh axis the pieces are spread over, None when not sharded.
+    """
+
+    shape: tuple[int, ...]
+    ranges: tuple[tuple[int, int], ...]
+    rank: int = 0
+    mesh: DeviceMesh | None = None
+    placements: tuple[Placement, ...] = ()
+    axis: int | None = None
+
+    def __post_init__(self) -> None:
+        numel = math.prod(self.shape)
+        if not self.ranges or self.ranges[0][0] != 0 or self.ranges[-1][1] != numel:
+            raise ValueError(f"ranges {self.ranges} do not tile {numel} elements")
+        if any(a[1] != b[0] for a, b in zip(self.ranges, self.ranges[1:], strict=False)):
+            raise ValueError(f"ranges {self.ranges} are not contiguous and in rank order")
+        if not 0 <= self.rank < len(self.ranges):
+            raise ValueError(f"rank {self.rank} outside the {len(self.ranges)} ranges")
+
+    @property
+    def numel(self) -> int:
+        """Elements of the global tensor."""
+        return math.prod(self.shape)
+
+    @property
+    def num_ranks(self) -> int:
+        """Ranks on the shard axis (1 when not sharded)."""
+        return len(self.ranges)
+
+    @property
+    def local_range(self) -> tuple[int, int]:
+        """This rank's [start, end)."""
+        return self.ranges[self.rank]
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The process group of the shard axis, None when not sharded."""
+        if self.mesh is None or self.axis is None:
+            return None
+        return self.mesh.get_group(self.axis)
+
+    def piece_rows(self, rank: int, row_numel: int) -> tuple[int, int] | None:
+        """Rank's piece as [first row, end row) of `row_numel`-element rows, None if it cuts one."""
+        lo, hi = self.ranges[rank]
+        if row_numel == 0 or lo % row_numel or (hi % row_numel and hi != self.numel):
+            return None
+        return lo // row_numel, -(-hi // row_numel)
+
+    def wrap(self, local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """`local` (this rank's piece, any shape of the right numel) laid out like `like`."""
+        if not isinstance(like, DTensor):
+            return local.view(self.shape)
+        piece = like.to_local()
+        return DTensor.from_local(
+            local.view(piece.shape),
+            like.device_mesh,
+            like.placements,
+            run_check=False,
+            shape=like.shape,
+            stride=like.stride(),
+        )
+
+
+def layout_of(tensor: torch.Tensor, what: str = "parameter") -> Layout:
+    """The layout of a plain tensor or of a DTensor sharded along at most one mesh axis.
+
+    Args:
+        tensor: A plain tensor, or a DTensor whose placements are Replicate except at most
+            one RaggedShard or Shard(0).
+        what: How to name the tensor in errors.
+
+    Returns:
+        Its Layout.
+
+    Example:
+        >>> layout_of(torch.zeros(4, 3)).ranges
+        ((0, 12),)
+    """
+    shape = tuple(tensor.shape)
+    numel = math.prod(shape)
+    if not isinstance(tensor, DTensor):
+        return Layout(shape, ((0, numel),))
+    mesh, placements = tensor.device_mesh, tuple(tensor.placements)
+    sharded = [(a, p) for a, p in enumerate(placements) if not isinstance(p, Replicate)]
+    if not sharded:
+        return Layout(shape, ((0, numel),), 0, mesh, placements)
+    axis, placement = sharded[0]
+    ok = isinstance(placement, RaggedShard) or placement == Shard(0)
+    if len(sharded) > 1 or not ok:
+        raise ValueError(
+            f"{what} has placements {placements}; ragged_optimizers supports Replicate on "
+            f"every mesh axis but one, which holds RaggedShard or Shard(0)"
+        )
+    num_ranks = mesh.size(axis)
+    if isinstance(placement, RaggedShard):
+        ranges = placement.flat_ranges(shape, num_ranks)
+    else:
+        row = math.prod(shape[1:])
+        rows = (chunk_range(shape[0], num_ranks, i) for i in range(num_ranks))
+        ranges = tuple((lo * row, hi * row) for lo, hi in rows)
+    return Layout(shape, ranges, mesh.get_local_rank(axis), mesh, placements, axis)
+
+
+def local_flat(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of `tensor` as a flat view (no copy)."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.view(-1)

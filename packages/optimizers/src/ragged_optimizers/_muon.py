@@ -1,0 +1,464 @@
+"""Muon on sharded parameters: one owner per matrix gathers it, orthogonalizes it, sends it back.
+
+A step, per process group of the shard axis:
+1. Every rank updates the momentum of its own pieces (elementwise, no communication).
+2. One owner per matrix, from `plan_owners` (the same plan on every rank, no communication).
+3. Per bucket of matrices, one all-to-all with uneven splits sends each piece of each matrix to
+   its owner, in bfloat16 (Newton-Schulz runs in bfloat16, and the cast is elementwise, so the
+   owner's matrix is bitwise the single-process one). All buckets are posted at once; the
+   owner orthogonalizes a bucket's matrices as soon as that bucket has arrived.
+4. One all-to-all per bucket sends every rank its piece of each update, which it applies.
+A rank never holds a whole matrix it does not own, and what it sends is exactly the part of
+each matrix the owner lacks, once in each direction.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from ragged_optimizers._adamw import adamw_step, check_betas, check_nonnegative
+from ragged_optimizers._layout import Layout, layout_of, local_flat
+from ragged_optimizers._newton_schulz import newton_schulz, resolve_coefficients
+from ragged_optimizers._owner_plan import MatrixAssignment, plan_owners
+
+ADJUST_LR = ("original", "match_rms_adamw")
+_COMM_DTYPE = torch.bfloat16
+
+
+def matrix_shape(shape: Sequence[int]) -> tuple[int, ...]:
+    """The matrix (or stack) Newton-Schulz sees: 2-D as is, 3-D a stack, 4-D (out, rest).
+
+    Example:
+        >>> matrix_shape((64, 3, 3, 3))
+        (64, 27)
+    """
+    if len(shape) in (2, 3):
+        return tuple(shape)
+    if len(shape) == 4:
+        return (shape[0], math.prod(shape[1:]))
+    raise ValueError(f"Muon takes 2-D, 3-D or 4-D parameters, got shape {tuple(shape)}")
+
+
+def adjusted_lr(lr: float, adjust_lr: str, shape: Sequence[int]) -> float:
+    """The learning rate scaled for one matrix's shape (rows, cols are its last two dims).
+
+    Example:
+        >>> adjusted_lr(0.02, "original", (1024, 256))  # sqrt(max(1, rows / cols)) = 2
+        0.04
+    """
+    rows, cols = matrix_shape(shape)[-2:]
+    if adjust_lr == "original":
+        return lr * math.sqrt(max(1.0, rows / cols))
+    return lr * 0.2 * math.sqrt(max(rows, cols))
+
+
+@dataclass
+class _Item:
+    """One sharded Muon matrix on this step."""
+
+    param: torch.Tensor
+    name: str
+    layout: Layout
+    update: torch.Tensor  # this rank's piece of the momentum-updated matrix, in bfloat16
+    group: dict[str, Any]
+    assignment: MatrixAssignment | None = None
+
+
+class Muon(Optimizer):
+    """Muon (momentum orthogonalized by Newton-Schulz) with AdamW groups, on sharded parameters.
+
+    Parameters may be plain tensors (one process), RaggedShard DTensors (DBuffer, fsdp_engine)
+    or Shard(0) DTensors (FSDP2); other mesh axes must be Replicate. Matrices sharded over
+    several ranks are orthogonalized once, by an owner per matrix (see `owner_plan`).
+
+    Args:
+        params: Parameters, named parameters or param groups. A group with
+            `use_muon=False` is updated with AdamW (use it for embeddings, the output head,
+            norms and biases, which shape alone cannot tell apart).
+        lr: Muon learning rate.
+        momentum: Momentum (EMA form: buf = momentum * buf + (1 - momentum) * grad).
+        nesterov: Orthogonalize lerp(grad, buf, momentum) instead of buf.
+        ns_steps: Newton-Schulz steps.
+        ns_coefficients: "keller", "polar_express" or (a, b, c) triples (one, or one per step).
+        weight_decay: Decoupled weight decay with the base lr: p *= 1 - lr * weight_decay.
+        adjust_lr: "original" (lr * sqrt(max(1, rows / cols))) or "match_rms_adamw"
+            (lr * 0.2 * sqrt(max(rows, cols))).
+        eps: Lower bound of the norm the matrix is divided by.
+        adamw_lr: AdamW groups' learning rate.
+        adamw_betas: AdamW groups' betas.
+        adamw_eps: AdamW groups' eps.
+        adamw_weight_decay: AdamW groups' decoupled weight decay.
+        bucket_bytes: Matrices travel in buckets of about this many bfloat16 bytes, one
+            all-to-all each way per bucket; owners start on a bucket as soon as it arrives.
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+        >>> opt = Muon([{"params": [model[0].weight]},
+        ...             {"params": [model[0].bias, *model[1].parameters()], "use_muon": False}])
+        >>> model(torch.randn(4, 8)).sum().backward()
+        >>> opt.step()
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        ns_coefficients: str | Sequence[float] | Sequence[Sequence[float]] = "keller",
+        weight_decay: float = 0.0,
+        adjust_lr: str = "original",
+        eps: float = 1e-7,
+        *,
+        adamw_lr: float = 3e-4,
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-10,
+        adamw_weight_decay: float = 0.0,
+        bucket_bytes: int = 32 * 2**20,
+    ) -> None:
+        size: object = bucket_bytes  # user input: check what came
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"bucket_bytes must be an int >= 1, got {bucket_bytes!r}")
+        self._bucket_bytes = bucket_bytes
+        self._layouts: dict[int, Layout] = {}
+        self._param_names: dict[int, str] = {}
+        defaults = {
+            "lr": lr,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "ns_steps": ns_steps,
+            "ns_coefficients": ns_coefficients,
+            "weight_decay": weight_decay,
+            "adjust_lr": adjust_lr,
+            "eps": eps,
+            "use_muon": True,
+            "adamw_lr": adamw_lr,
+            "adamw_betas": adamw_betas,
+            "adamw_eps": adamw_eps,
+            "adamw_weight_decay": adamw_weight_decay,
+        }
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Adds a param group (checked: hyper-parameters and, for Muon groups, shapes)."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        names = group.get("param_names") or [
+            f"params[{len(self._param_names) + i}]" for i in range(len(group["params"]))
+        ]
+        self._param_names.update(
+            (id(param), name) for param, name in zip(group["params"], names, strict=True)
+        )
+        for key in ("lr", "weight_decay", "adamw_lr", "adamw_weight_decay"):
+            check_nonnegative(group[key], key)
+        if not 0.0 <= group["momentum"] < 1.0:
+            raise ValueError(f"Invalid momentum: {group['momentum']!r} (must be in [0, 1))")
+        if not group["eps"] > 0.0 or not group["adamw_eps"] >= 0.0:
+            raise ValueError(
+                f"Invalid eps: {group['eps']!r} / adamw_eps {group['adamw_eps']!r} (eps > 0, "
+                f"adamw_eps >= 0)"
+            )
+        if group["adjust_lr"] not in ADJUST_LR:
+            raise ValueError(
+                f"unknown adjust_lr {group['adjust_lr']!r}; valid: {', '.join(ADJUST_LR)}"
+            )
+        group["adamw_betas"] = check_betas(group["adamw_betas"], "adamw_betas")
+        resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
+        if group["use_muon"]:
+            for param, name in zip(group["params"], self._names(group), strict=True):
+                if param.ndim not in (2, 3, 4):
+                    raise ValueError(
+                        f"Muon group holds {name} of shape {tuple(param.shape)}: Muon "
+                        f"orthogonalizes 2-D matrices (3-D: a stack, 4-D: flattened to "
+                        f"(out, rest)); put it in a group with use_muon=False (AdamW)"
+                    )
+
+    def _names(self, group: dict[str, Any]) -> list[str]:
+        return [self._param_names[id(param)] for param in group["params"]]
+
+    def _layout(self, param: torch.Tensor, name: str) -> Layout:
+        layout = self._layouts.get(id(param))
+        if layout is None:
+            layout = self._layouts[id(param)] = layout_of(param, name)
+        return layout
+
+    # -- the plan -----------------------------------------------------------------------------
+
+    def _sharded(self) -> list[tuple[torch.Tensor, str, Layout]]:
+        out = []
+        for group in self.param_groups:
+            if group["use_muon"]:
+                for param, name in zip(group["params"], self._names(group), strict=True):
+                    layout = self._layout(param, name)
+                    if layout.num_ranks > 1:
+                        out.append((param, name, layout))
+        return out
+
+    def owner_plan(self) -> tuple[MatrixAssignment, ...]:
+        """The owner of every sharded Muon matrix, its FLOPs and the elements moved per step.
+
+        Computed from shapes and placements alone, so every rank returns the same plan.
+        Elements travel in bfloat16 (2 bytes each way). Matrices that are not sharded (plain
+        tensors, replicated DTensors, one-rank meshes) are not listed: every rank updates them.
+
+        Returns:
+            One MatrixAssignment per sharded matrix, in parameter order.
+
+        Example:
+            >>> Muon([torch.nn.Parameter(torch.zeros(4, 4))]).owner_plan()  # one process
+            ()
+        """
+        sharded = self._sharded()
+        ns_steps = max((g["ns_steps"] for g in self.param_groups), default=5)
+        return _plan([(name, layout) for _, name, layout in sharded], ns_steps)
+
+    # -- the step -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Performs one optimization step.
+
+        Args:
+            closure: Re-evaluates the model and returns the loss (optional).
+
+        Returns:
+            The closure's loss, or None.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        items: list[_Item] = []
+        for group in self.param_groups:
+            if not group["use_muon"]:
+                self._adamw(group)
+                continue
+            for param, name in zip(group["params"], self._names(group), strict=True):
+                layout = self._layout(param, name)
+                if layout.num_ranks > 1:
+                    # Sharded matrices join the exchange even without a gradient; they are
+                    # filtered once all ranks agree (see _agree).
+                    items.append(_Item(param, name, layout, torch.empty(0), group))
+                elif param.grad is not None:
+                    update = self._momentum(param, group)
+                    self._apply(param, layout, self._orthogonalize(update, layout, group), group)
+        if items:
+            for members in _by_process_group(_agree(items)):
+                for item in members:
+                    item.update = self._momentum(item.param, item.group).to(_COMM_DTYPE)
+                self._exchange(members)
+        return loss
+
+    def _momentum(self, param: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        assert param.grad is not None
+        grad = local_flat(param.grad)
+        state = self.state[param]
+        if "momentum_buffer" not in state:
+            local = torch.zeros_like(grad)
+            state["momentum_buffer"] = self._layout(param, "").wrap(local, param)
+        buf = local_flat(state["momentum_buffer"])
+        momentum = group["momentum"]
+        buf.lerp_(grad, 1 - momentum)
+        return grad.lerp(buf, momentum) if group["nesterov"] else buf
+
+    def _orthogonalize(
+        self, update: torch.Tensor, layout: Layout, group: dict[str, Any]
+    ) -> torch.Tensor:
+        coefficients, norm_scale = resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
+        matrix = update.view(matrix_shape(layout.shape))
+        out = newton_schulz(matrix, coefficients, eps=group["eps"], norm_scale=norm_scale)
+        return out.reshape(-1)
+
+    def _apply(
+        self, param: torch.Tensor, layout: Layout, update: torch.Tensor, group: dict[str, Any]
+    ) -> None:
+        local = local_flat(param)
+        local.mul_(1 - group["lr"] * group["weight_decay"])
+        local.add_(update, alpha=-adjusted_lr(group["lr"], group["adjust_lr"], layout.shape))
+
+    def _exchange(self, items: list[_Item]) -> None:
+        layout0 = items[0].layout
+        process_group, me, world = layout0.group, layout0.rank, layout0.num_ranks
+        assert process_group is not None
+        ns_steps = max(item.group["ns_steps"] for item in items)
+        plan = _plan([(item.name, item.layout) for item in items], ns_steps)
+        for item, assignment in zip(items, plan, strict=True):
+            item.assignment = assignment
+        buckets = _buckets(items, self._bucket_bytes)
+        inbound = [_send_to_owners(bucket, me, world, process_group) for bucket in buckets]
+        outbound = []
+        for bucket, (received, work) in zip(buckets, inbound, strict=True):
+            work.wait()
+            updates = {}
+            for item, full in _assemble(bucket, received, me, world):
+                updates[id(item)] = self._orthogonalize(full, item.layout, item.group)
+            outbound.append(_send_back(bucket, updates, me, world, process_group))
+        for bucket, (received, work) in zip(buckets, outbound, strict=True):
+            work.wait()
+            offset = 0
+            for src in range(world):
+                for item in bucket:
+                    if _owner(item) == src:
+                        lo, hi = item.layout.local_range
+                        self._apply(
+                            item.param, item.layout, received[offset : offset + hi - lo], item.group
+                        )
+                        offset += hi - lo
+
+    def _adamw(self, group: dict[str, Any]) -> None:
+        for param in group["params"]:
+            if param.grad is None:
+                continue
+            state = self.state[param]
+            if "step" not in state:
+                layout = self._layout(param, "")
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = layout.wrap(torch.zeros_like(local_flat(param)), param)
+                state["exp_avg_sq"] = layout.wrap(torch.zeros_like(local_flat(param)), param)
+            state["step"] += 1
+            adamw_step(
+                local_flat(param),
+                local_flat(param.grad),
+                local_flat(state["exp_avg"]),
+                local_flat(state["exp_avg_sq"]),
+                step=int(state["step"].item()),
+                lr=group["adamw_lr"],
+                betas=group["adamw_betas"],
+                eps=group["adamw_eps"],
+                weight_decay=group["adamw_weight_decay"],
+            )
+
+
+# -- the exchange, as functions of the plan -----------------------------------------------------
+
+
+def _plan(named: Sequence[tuple[str, Layout]], ns_steps: int) -> tuple[MatrixAssignment, ...]:
+    if not named:
+        return ()
+    world = named[0][1].num_ranks
+    return plan_owners(
+        [name for name, _ in named],
+        [matrix_shape(layout.shape) for _, layout in named],
+        [[hi - lo for lo, hi in layout.ranges] for _, layout in named],
+        world,
+        ns_steps,
+    )
+
+
+def _owner(item: _Item) -> int:
+    assert item.assignment is not None
+    return item.assignment.owner
+
+
+def _agree(items: list[_Item]) -> list[_Item]:
+    """The sharded matrices with a gradient, after checking every rank agrees (no hang)."""
+    kept = []
+    for members in _by_process_group(items):
+        flags = torch.tensor([float(m.param.grad is not None) for m in members])
+        group = members[0].layout.group
+        dist.all_reduce(flags, group=group)
+        world = members[0].layout.num_ranks
+        for item, count in zip(members, flags.tolist(), strict=True):
+            if count not in (0.0, float(world)):
+                raise ValueError(
+                    f"Muon: {item.name} has a gradient on {int(count)} of {world} ranks; a "
+                    f"sharded matrix needs its gradient on every rank or on none"
+                )
+            if count:
+                kept.append(item)
+    return kept
+
+
+def _by_process_group(items: list[_Item]) -> list[list[_Item]]:
+    groups: dict[int, list[_Item]] = {}
+    for item in items:
+        groups.setdefault(id(item.layout.group), []).append(item)
+    return list(groups.values())
+
+
+def _buckets(items: list[_Item], bucket_bytes: int) -> list[list[_Item]]:
+    buckets: list[list[_Item]] = [[]]
+    size = 0
+    for item in items:
+        if buckets[-1] and size + item.layout.numel * 2 > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(item)
+        size += item.layout.numel * 2
+    return buckets
+
+
+def _piece(item: _Item, rank: int) -> int:
+    lo, hi = item.layout.ranges[rank]
+    return hi - lo
+
+
+def _send_to_owners(
+    bucket: list[_Item], me: int, world: int, group: dist.ProcessGroup
+) -> tuple[torch.Tensor, Any]:
+    # Input in destination order, output in source order; pieces keep the bucket's order.
+    send = [item.update for dst in range(world) for item in bucket if _owner(item) == dst]
+    send_splits = [sum(_piece(i, me) for i in bucket if _owner(i) == dst) for dst in range(world)]
+    recv_splits = [sum(_piece(i, src) for i in bucket if _owner(i) == me) for src in range(world)]
+    return _all_to_all(send, send_splits, recv_splits, group)
+
+
+def _assemble(
+    bucket: list[_Item], received: torch.Tensor, me: int, world: int
+) -> list[tuple[_Item, torch.Tensor]]:
+    owned = [item for item in bucket if _owner(item) == me]
+    if len(owned) == 1:  # the pieces arrived in rank order: already the whole matrix
+        return [(owned[0], received)]
+    fulls = [torch.empty(item.layout.numel, dtype=_COMM_DTYPE) for item in owned]
+    offset = 0
+    for src in range(world):
+        for item, full in zip(owned, fulls, strict=True):
+            lo, hi = item.layout.ranges[src]
+            full[lo:hi].copy_(received[offset : offset + hi - lo])
+            offset += hi - lo
+    return list(zip(owned, fulls, strict=True))
+
+
+def _send_back(
+    bucket: list[_Item],
+    updates: dict[int, torch.Tensor],
+    me: int,
+    world: int,
+    group: dist.ProcessGroup,
+) -> tuple[torch.Tensor, Any]:
+    owned = [item for item in bucket if _owner(item) == me]
+    send = []
+    for dst in range(world):
+        for item in owned:
+            lo, hi = item.layout.ranges[dst]
+            send.append(updates[id(item)][lo:hi])
+    send_splits = [sum(_piece(i, dst) for i in owned) for dst in range(world)]
+    recv_splits = [sum(_piece(i, me) for i in bucket if _owner(i) == src) for src in range(world)]
+    return _all_to_all(send, send_splits, recv_splits, group)
+
+
+def _all_to_all(
+    pieces: list[torch.Tensor],
+    send_splits: list[int],
+    recv_splits: list[int],
+    group: dist.ProcessGroup,
+) -> tuple[torch.Tensor, Any]:
+    send = torch.cat(pieces) if pieces else torch.empty(0, dtype=_COMM_DTYPE)
+    received = torch.empty(sum(recv_splits), dtype=_COMM_DTYPE, device=send.device)
+    work = dist.all_to_all_single(
+        received,
+        send,
+        output_split_sizes=recv_splits,
+        input_split_sizes=send_splits,
+        group=group,
+        async_op=True,
+    )
+    return received, work

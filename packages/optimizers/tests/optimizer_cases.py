@@ -1,0 +1,244 @@
+"""Optimizer checks run on every rank of a RankPool, against one-process references."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from rank_pool import expect_error
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from ragged_optimizers import AdamW8bit, Muon
+from ragged_placement import CommCounter, RaggedShard, flat_range
+
+
+def ragged_rows(rows: int, world: int) -> tuple[int, ...]:
+    """Uneven row counts: rank 0 empty (when world > 1), the last rank one row, rest uneven."""
+    if world == 1:
+        return (rows,)
+    counts = [0] * world
+    counts[-1] = 1 if rows > 1 else rows
+    left = rows - counts[-1]
+    for r in range(1, world - 1 if world > 2 else world):
+        if r == world - 1:
+            break
+        take = left // 2 if r < world - 2 else left
+        counts[r] += take
+        left -= take
+    counts[-1] += left
+    assert sum(counts) == rows, counts
+    return tuple(counts)
+
+
+MUON_SHAPES = {
+    "wide": (24, 40),
+    "tall": (50, 12),
+    "one_row": (1, 40),
+    "odd": (17, 17),
+    "stack": (4, 12, 8),
+    "conv": (8, 3, 2, 2),
+}
+
+
+def _placements(name: str, shape: tuple[int, ...], world: int, kind: str) -> list[Any]:
+    if kind == "shard0":
+        return [Shard(0)]
+    if name == "stack":  # cut inside the stack's matrices: whole rows of 8 elements
+        return [RaggedShard((0, 1), ragged_rows(shape[0] * shape[1], world))]
+    return [RaggedShard((0,), ragged_rows(shape[0], world))]
+
+
+def _full_tensors(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s, generator=gen) for n, s in shapes.items()}
+
+
+def check_muon_matches_single_process(kind: str, bucket_bytes: int) -> dict[str, Any]:
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    full = _full_tensors(MUON_SHAPES, 0)
+    ref = {n: torch.nn.Parameter(t.clone()) for n, t in full.items()}
+    dist_params = {
+        n: torch.nn.Parameter(distribute_tensor(t, mesh, _placements(n, t.shape, world, kind)))
+        for n, t in full.items()
+    }
+    kwargs = {"lr": 0.02, "weight_decay": 0.1, "bucket_bytes": bucket_bytes}
+    ref_opt = Muon(list(ref.items()), **kwargs)
+    opt = Muon(list(dist_params.items()), **kwargs)
+    plan = opt.owner_plan()
+    plans: list[Any] = [None] * world
+    dist.all_gather_object(plans, plan)
+    assert all(p == plan for p in plans), "owner plans differ across ranks"
+    assert [a.name for a in plan] == list(MUON_SHAPES) if world > 1 else plan == ()
+    sent = []
+    for step in range(3):
+        grads = _full_tensors(MUON_SHAPES, 100 + step)
+        if step == 1:
+            grads.pop("odd")  # no gradient on any rank this step: skipped, no hang
+        for n, g in grads.items():
+            ref[n].grad = g.clone()
+            dist_params[n].grad = distribute_tensor(g, mesh, dist_params[n].placements)
+        for n in set(MUON_SHAPES) - set(grads):
+            ref[n].grad = dist_params[n].grad = None
+        ref_opt.step()
+        with CommCounter() as comms:
+            opt.step()
+        moved = [c for c in comms.collectives if c.kind == "all_to_all"]
+        sent.append((sum(c.bytes_sent for c in moved), sum(c.bytes_received for c in moved)))
+        for n in MUON_SHAPES:
+            assert torch.equal(dist_params[n].full_tensor(), ref[n].detach()), (n, step)
+            buf = opt.state[dist_params[n]]["momentum_buffer"]
+            assert isinstance(buf, DTensor) and buf.placements == dist_params[n].placements
+            assert torch.equal(buf.full_tensor(), ref_opt.state[ref[n]]["momentum_buffer"]), n
+    # What this rank sends: its pieces of matrices others own, and the updates of the
+    # matrices it owns to every other holder, in bfloat16; nothing for what it keeps.
+    me = dist.get_rank()
+    expected_sent = expected_received = 0
+    for a in plan:
+        mine = dist_params[a.name].to_local().numel()
+        expected_sent += a.elements_out * 2 if a.owner == me else mine * 2
+        expected_received += a.elements_in * 2 if a.owner == me else mine * 2
+    assert sent[0][0] == sent[2][0] == expected_sent, (sent, expected_sent)
+    assert sent[0][1] == sent[2][1] == expected_received, (sent, expected_received)
+    return {"plan": plan, "sent": sent[0][0]}
+
+
+def check_muon_grad_disagreement_raises() -> None:
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    param = torch.nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]))
+    opt = Muon([param])
+    if dist.get_rank() == 0:
+        param.grad = distribute_tensor(torch.ones(8, 4), mesh, [Shard(0)], src_data_rank=None)
+    expect_error(ValueError, opt.step, "has a gradient on 1 of")
+
+
+ADAM_SHAPES = {"w": (96, 70), "tall": (200, 64), "bias": (70,), "small": (8, 8), "odd": (65, 33)}
+
+
+def _adam_placements(name: str, shape: tuple[int, ...], world: int, block_rows: int) -> list[Any]:
+    rows = shape[0]
+    blocks = -(-rows // block_rows)
+    counts = ragged_rows(blocks, world)
+    # Whole blocks per rank; the last rank takes the partial block at the end.
+    row_counts = [c * block_rows for c in counts]
+    row_counts[max(i for i, c in enumerate(counts) if c)] -= blocks * block_rows - rows
+    return [RaggedShard((0,), tuple(row_counts))]
+
+
+def _adam_setup(world: int, seed: int = 0) -> tuple[Any, ...]:
+    mesh = init_device_mesh("cpu", (world,))
+    full = {n: t * 0.1 for n, t in _full_tensors(ADAM_SHAPES, seed).items()}
+    params = {
+        n: torch.nn.Parameter(distribute_tensor(t, mesh, _adam_placements(n, t.shape, world, 32)))
+        for n, t in full.items()
+    }
+    return mesh, full, params
+
+
+def _adam_grads(step: int) -> dict[str, torch.Tensor]:
+    grads = {n: t * 0.01 for n, t in _full_tensors(ADAM_SHAPES, 200 + step).items()}
+    if step == 2:  # non-finite elements: skipped, their moments reset
+        grads["w"][3, 5] = float("nan")
+        grads["bias"][0] = float("inf")
+    return grads
+
+
+def _set_grads(params: dict[str, torch.nn.Parameter], mesh: Any, step: int, ref: Any) -> None:
+    for n, g in _adam_grads(step).items():
+        if ref is not None:
+            ref[n].grad = g.clone()
+        params[n].grad = distribute_tensor(g, mesh, params[n].placements)
+
+
+def check_adamw8bit_matches_single_process() -> None:
+    world = dist.get_world_size()
+    mesh, full, params = _adam_setup(world)
+    ref = {n: torch.nn.Parameter(t.clone()) for n, t in full.items()}
+    ref_opt = AdamW8bit(list(ref.items()))
+    opt = AdamW8bit(list(params.items()))
+    for step in range(4):
+        _set_grads(params, mesh, step, ref)
+        ref_opt.step()
+        opt.step()
+        for n in ADAM_SHAPES:
+            assert torch.equal(params[n].full_tensor(), ref[n].detach()), (n, step)
+            lo, hi = flat_range(params[n])
+            for key, value in opt.state[params[n]].items():
+                expected = ref_opt.state[ref[n]][key]
+                if not isinstance(value, DTensor):  # the step count
+                    assert torch.equal(value, expected), (n, key)
+                    continue
+                assert torch.equal(value.full_tensor(), expected), (n, key, step)
+                local = value.to_local()
+                if key.endswith("_scale"):  # the slice of the grid this rank's rows cover
+                    row = 32 * ADAM_SHAPES[n][1]
+                    grid = expected[lo // row : -(-hi // row)]
+                    assert torch.equal(local.view(grid.shape), grid), (n, key)
+                else:  # codes (or fp32 moments): exactly this rank's elements
+                    assert torch.equal(local.view(-1), expected.reshape(-1)[lo:hi]), (n, key)
+    assert opt.state[params["w"]]["exp_avg"].dtype == torch.uint8
+    assert opt.state[params["small"]]["exp_avg"].dtype == torch.float32
+
+
+def check_adamw8bit_rejects_cut_blocks() -> None:
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    units = (1,) * (world - 1) + (65 - (world - 1),)
+    weight = distribute_tensor(torch.zeros(65, 64), mesh, [RaggedShard((0,), units)])
+    param = torch.nn.Parameter(weight)
+    expect_error(ValueError, lambda: AdamW8bit([("layer.w", param)]), "layer.w of shape (65, 64)")
+    expect_error(ValueError, lambda: AdamW8bit([param]), "block_rows=32")
+    AdamW8bit([param], min_8bit_numel=65 * 64 + 1)  # fp32 state: any cut is fine
+
+
+def check_adamw8bit_dcp_reshard(directory: str, save_world: int) -> None:
+    world = dist.get_world_size()
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    class Holder(torch.nn.Module):
+        def __init__(self, params: dict[str, torch.nn.Parameter]) -> None:
+            super().__init__()
+            for n, p in params.items():
+                self.register_parameter(n, p)
+
+    mesh, full, params = _adam_setup(world)
+    model = Holder(params)
+    opt = AdamW8bit(model.parameters())
+    if world == save_world:  # run 3 steps and save
+        for step in range(3):
+            _set_grads(params, mesh, step, None)
+            opt.step()
+        dcp.save(
+            {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)},
+            checkpoint_id=directory,
+        )
+        dist.barrier()
+        return
+    state = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=directory)
+    model.load_state_dict(state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    # The reference: the same 3 steps in one process, then step 4 on both.
+    ref = {n: torch.nn.Parameter(t.clone()) for n, t in full.items()}
+    ref_opt = AdamW8bit(list(ref.values()))
+    for step in range(3):
+        for n, g in _adam_grads(step).items():
+            ref[n].grad = g
+        ref_opt.step()
+    for n in ADAM_SHAPES:
+        assert torch.equal(params[n].full_tensor(), ref[n].detach()), n
+        for key, value in opt.state[params[n]].items():
+            got = value.full_tensor() if isinstance(value, DTensor) else value
+            assert torch.equal(got, ref_opt.state[ref[n]][key]), (n, key)
+    _set_grads(params, mesh, 3, ref)
+    opt.step()
+    ref_opt.step()
+    for n in ADAM_SHAPES:
+        assert torch.equal(params[n].full_tensor(), ref[n].detach()), n

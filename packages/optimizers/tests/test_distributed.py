@@ -1,0 +1,31 @@
+"""Both optimizers on 1-4 gloo ranks against one-process runs on the full tensors."""
+
+import optimizer_cases as cases
+import pytest
+
+WORLD_SIZES = [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_muon_matches_single_process_bitwise(pools, world) -> None:
+    for kind in ("ragged", "shard0"):
+        for bucket_bytes in (256, 32 * 2**20):  # a bucket per matrix, and one bucket
+            pools[world].run(cases.check_muon_matches_single_process, kind, bucket_bytes)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_muon_gradient_on_some_ranks_only_raises(pools, world) -> None:
+    pools[world].run(cases.check_muon_grad_disagreement_raises)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_adamw8bit_matches_single_process_bitwise(pools, world) -> None:
+    pools[world].run(cases.check_adamw8bit_matches_single_process)
+    if world > 1:
+        pools[world].run(cases.check_adamw8bit_rejects_cut_blocks)
+
+
+def test_adamw8bit_dcp_save_at_4_load_at_2_and_3(pools, tmp_path) -> None:
+    pools[4].run(cases.check_adamw8bit_dcp_reshard, str(tmp_path), 4)
+    for world in (2, 3):
+        pools[world].run(cases.check_adamw8bit_dcp_reshard, str(tmp_path), 4)
