@@ -225,6 +225,8 @@ def check_adamw8bit_dcp_reshard(directory: str, save_world: int) -> None:
     dcp.load(state, checkpoint_id=directory)
     model.load_state_dict(state["model"])
     set_optimizer_state_dict(model, opt, state["optim"])
+    loaded = opt.state[params["w"]]
+    assert loaded["exp_avg"].dtype == torch.uint8 and loaded["exp_avg_scale"].dtype == torch.float32
     # The reference: the same 3 steps in one process, then step 4 on both.
     ref = {n: torch.nn.Parameter(t.clone()) for n, t in full.items()}
     ref_opt = AdamW8bit(list(ref.values()))
@@ -242,3 +244,13 @@ def check_adamw8bit_dcp_reshard(directory: str, save_world: int) -> None:
     ref_opt.step()
     for n in ADAM_SHAPES:
         assert torch.equal(params[n].full_tensor(), ref[n].detach()), n
+
+
+def _doctest_globs() -> dict[str, Any]:
+    return {"torch": torch}
+
+
+def check_doctests() -> dict[str, Any]:
+    from doctest_support import run_doctests
+
+    return run_doctests("ragged_optimizers", _doctest_globs)

@@ -103,6 +103,22 @@ class AdamW8bit(Optimizer):
             if self._is_8bit(layout, group):
                 _block_rows(layout, group["block_size"], name)
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a state dict, keeping each state tensor's own dtype.
+
+        torch.optim casts floating state to its parameter's dtype; here that would turn codes
+        into floats and round fp32 moments and scales to a bf16 parameter's precision.
+        """
+        super().load_state_dict(state_dict)
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for saved_id, param in zip(saved_ids, params, strict=True):
+            for key, value in state_dict["state"].get(saved_id, {}).items():
+                loaded = self.state[param].get(key)
+                cast = isinstance(value, torch.Tensor) and loaded is not None
+                if cast and loaded.dtype != value.dtype:
+                    self.state[param][key] = value.to(device=loaded.device)
+
     @staticmethod
     def _is_8bit(layout: Layout, group: dict[str, Any]) -> bool:
         return len(layout.shape) == 2 and layout.numel >= group["min_8bit_numel"]

@@ -1,0 +1,161 @@
+"""AdamW8bit in one process: against fp32 AdamW, state size, policies, errors (anchors 13-15)."""
+
+import copy
+
+import pytest
+import torch
+
+from ragged_optimizers import AdamW8bit, dequantize
+
+
+def _pair(shape, seed=0, dtype=torch.float32):
+    p = torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 0.1
+    return torch.nn.Parameter(p.to(dtype)), torch.nn.Parameter(p.clone())
+
+
+def test_first_step_is_fp32_adamw_bitwise() -> None:
+    ours, ref = _pair((96, 70))
+    opt, ref_opt = AdamW8bit([ours]), torch.optim.AdamW([ref], foreach=False)
+    ours.grad = ref.grad = torch.randn(96, 70) * 0.01
+    opt.step()
+    ref_opt.step()
+    assert torch.equal(ours, ref)
+
+
+@pytest.mark.parametrize("shape", [(1024, 32), (1024, 1024), (100, 70)])
+def test_50_steps_track_fp32_adamw_within_bitsandbytes_thresholds(shape) -> None:
+    # As bitsandbytes tests it: after each step compare, then put the reference at our
+    # (dequantized) state so that the errors measured are one step's, not a random walk.
+    ours, ref = _pair(shape)
+    opt, ref_opt = AdamW8bit([ours]), torch.optim.AdamW([ref], foreach=False)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(50):
+        ours.grad = ref.grad = torch.randn(shape, generator=gen) * 0.01
+        opt.step()
+        ref_opt.step()
+        err = (ours - ref).abs()
+        assert err.mean() < 6e-5 and (err / (ref.abs() + 1e-9)).mean() < 6e-4
+        state, ref_state = opt.state[ours], ref_opt.state[ref]
+        for key, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+            got = dequantize(state[key], state[f"{key}_scale"], (32, 32), signed=signed)
+            close = torch.isclose(got, ref_state[key], atol=3e-3, rtol=1e-3)
+            assert (~close).sum() <= 20
+            ref_state[key].copy_(got)
+        with torch.no_grad():
+            ref.copy_(ours)
+
+
+def test_state_bytes_per_parameter() -> None:
+    param = torch.nn.Parameter(torch.zeros(1024, 1024))
+    opt = AdamW8bit([param])
+    param.grad = torch.ones_like(param)
+    opt.step()
+    state = opt.state[param]
+    nbytes = sum(t.nbytes for k, t in state.items() if k != "step")
+    assert nbytes == 2 * 1024 * 1024 + 2 * 4 * 32 * 32  # codes + one fp32 scale per block
+    assert abs(nbytes / param.numel() - 2.0078) < 1e-4
+    fp32 = torch.optim.AdamW([param])
+    fp32.step()
+    fp32_bytes = sum(t.nbytes for k, t in fp32.state[param].items() if k != "step")
+    assert nbytes / fp32_bytes < 0.26
+
+
+def test_small_and_non_2d_parameters_keep_fp32_state() -> None:
+    shapes = [(63, 64), (4096,), (2, 64, 64), (64, 64)]
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    opt = AdamW8bit(params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    dtypes = [opt.state[p]["exp_avg"].dtype for p in params]
+    assert dtypes == [torch.float32, torch.float32, torch.float32, torch.uint8]
+
+
+def test_non_finite_gradients_skip_the_element_and_reset_its_state() -> None:
+    ours, _ = _pair((64, 64))
+    opt = AdamW8bit([ours], weight_decay=0.1)
+    ours.grad = torch.full((64, 64), 0.01)
+    opt.step()
+    before = ours.detach().clone()
+    grad = torch.full((64, 64), 0.01)
+    grad[0, 0], grad[5, 7] = float("nan"), float("-inf")
+    ours.grad = grad
+    opt.step()
+    assert ours[0, 0] == before[0, 0] and ours[5, 7] == before[5, 7]
+    others = torch.ones(64, 64, dtype=torch.bool)
+    others[0, 0] = others[5, 7] = False
+    assert torch.all(ours.detach()[others] != before[others])
+    state = opt.state[ours]
+    m = dequantize(state["exp_avg"], state["exp_avg_scale"], (32, 32), signed=True)
+    assert m[0, 0] == 0 and m[5, 7] == 0 and m[1, 1] != 0
+    assert not ours.isnan().any()
+
+
+def test_bf16_parameters_update_in_fp32_and_store_bf16() -> None:
+    ours, _ = _pair((64, 64), dtype=torch.bfloat16)
+    start = ours.detach().float()
+    opt = AdamW8bit([ours], lr=0.1)
+    ours.grad = torch.ones(64, 64, dtype=torch.bfloat16)
+    opt.step()
+    assert ours.dtype == torch.bfloat16  # the first step moves every element by lr
+    expected = start * (1 - 0.1 * 0.01) - 0.1
+    assert torch.all((ours.detach().float() - expected).abs() <= expected.abs() * 2**-7)  # 1 ulp
+
+
+def test_clip_grad_norm_scheduler_and_state_dict_round_trip() -> None:
+    model = torch.nn.Linear(128, 64)
+    opt = AdamW8bit(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(4, 128, generator=gen) for _ in range(4)]
+
+    def train(m, o, s, batches):
+        for x in batches:
+            o.zero_grad()
+            m(x).square().sum().backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            o.step()
+            s.step()
+
+    train(model, opt, sched, inputs[:2])
+    assert opt.param_groups[0]["lr"] == 2.5e-3  # the scheduler drives the step
+    saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+    saved_opt = copy.deepcopy(opt.state_dict())  # as saving it would
+    twin = torch.nn.Linear(128, 64)
+    twin.load_state_dict(saved_model)
+    twin_opt = AdamW8bit(twin.parameters(), lr=1e-2)
+    twin_sched = torch.optim.lr_scheduler.StepLR(twin_opt, step_size=1, gamma=0.5)
+    twin_opt.load_state_dict(saved_opt)
+    twin_sched.load_state_dict(sched.state_dict())
+    for key, value in opt.state[model.weight].items():  # codes stay uint8, scales fp32
+        assert twin_opt.state[twin.weight][key].dtype == value.dtype, key
+    train(model, opt, sched, inputs[2:])
+    train(twin, twin_opt, twin_sched, inputs[2:])
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_state_dict_keeps_state_dtypes_for_bf16_parameters() -> None:
+    params = [torch.nn.Parameter(torch.zeros(s, dtype=torch.bfloat16)) for s in [(64, 64), (8,)]]
+    opt = AdamW8bit(params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    twin = AdamW8bit(params)
+    twin.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for p in params:
+        for key, value in opt.state[p].items():
+            assert twin.state[p][key].dtype == value.dtype, key
+            assert torch.equal(twin.state[p][key], value)
+
+
+def test_bad_input() -> None:
+    p = [torch.nn.Parameter(torch.zeros(4, 4))]
+    with pytest.raises(ValueError, match=r"Invalid learning rate: -0\.1"):
+        AdamW8bit(p, lr=-0.1)
+    with pytest.raises(ValueError, match=r"Invalid beta parameter at index 1: 1\.0"):
+        AdamW8bit(p, betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="block_size must be a pair of ints >= 1"):
+        AdamW8bit(p, block_size=(32, 0))
+    with pytest.raises(ValueError, match="min_8bit_numel must be an int"):
+        AdamW8bit(p, min_8bit_numel=1.5)

@@ -1,0 +1,9 @@
+"""The README's first example (alone and under torchrun) and every docstring example run."""
+
+import pathlib
+
+from doctest_support import docs_tests
+
+README = pathlib.Path(__file__).parent.parent / "README.md"
+
+test_docstring_examples_run, test_readme_example_runs = docs_tests(README, "optimizer_cases", 15)

@@ -1,0 +1,154 @@
+"""Muon in one process: torch.optim.Muon where the formulas coincide, shapes, groups, errors."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from ragged_optimizers import Muon, newton_schulz, resolve_coefficients
+
+
+def _twins(shape, seed=0):
+    p = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    return torch.nn.Parameter(p), torch.nn.Parameter(p.clone())
+
+
+@pytest.mark.parametrize("shape", [(16, 8), (8, 16), (7, 7)])
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("adjust_lr", ["original", "match_rms_adamw"])
+def test_equals_torch_muon_bitwise(shape, nesterov, adjust_lr) -> None:
+    # Same formulas: Keller coefficients, EMA momentum, decoupled weight decay, 2-D.
+    ours, ref = _twins(shape)
+    kw = {"lr": 0.02, "weight_decay": 0.1, "nesterov": nesterov, "momentum": 0.9}
+    opt = Muon([ours], adjust_lr=adjust_lr, **kw)
+    ref_opt = torch.optim.Muon([ref], adjust_lr_fn=adjust_lr, **kw)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        ours.grad = ref.grad = torch.randn(shape, generator=gen)
+        opt.step()
+        ref_opt.step()
+        assert torch.equal(ours, ref)
+
+
+def test_stacks_are_batches_and_convs_are_flattened() -> None:
+    gen = torch.Generator().manual_seed(2)
+    stack = torch.nn.Parameter(torch.randn(3, 12, 8, generator=gen))
+    singles = [torch.nn.Parameter(stack[i].detach().clone()) for i in range(3)]
+    conv = torch.nn.Parameter(torch.randn(8, 3, 2, 2, generator=gen))
+    flat = torch.nn.Parameter(conv.detach().reshape(8, 12).clone())
+    opt, ref = Muon([stack, conv]), Muon([*singles, flat])
+    for _ in range(2):
+        g = torch.randn(3, 12, 8, generator=gen)
+        gc = torch.randn(8, 3, 2, 2, generator=gen)
+        stack.grad, conv.grad, flat.grad = g, gc, gc.reshape(8, 12).clone()
+        for i, s in enumerate(singles):
+            s.grad = g[i].clone()
+        opt.step()
+        ref.step()
+    # bmm and mm round differently: close, not equal. The conv is the same matrix.
+    for i, s in enumerate(singles):
+        assert (stack[i] - s).abs().max() < 1e-3
+    assert torch.equal(conv.detach().reshape(8, 12), flat.detach())
+
+
+def test_match_rms_adamw_gives_update_rms_about_0_2() -> None:
+    p = torch.nn.Parameter(torch.zeros(256, 512))
+    opt = Muon([p], lr=1.0, adjust_lr="match_rms_adamw", nesterov=False)
+    p.grad = torch.randn(256, 512, generator=torch.Generator().manual_seed(3))
+    opt.step()
+    rms = p.detach().square().mean().sqrt().item()
+    assert 0.15 < rms < 0.25, rms
+
+
+def test_momentum_forms_give_the_same_orthogonalized_update() -> None:
+    # EMA form (ours) vs sum form: the momenta differ by 1 / (1 - beta); NS removes the scale.
+    gen = torch.Generator().manual_seed(4)
+    ema, total, beta = torch.zeros(16, 32), torch.zeros(16, 32), 0.95
+    for _ in range(4):
+        g = torch.randn(16, 32, generator=gen)
+        ema.lerp_(g, 1 - beta)
+        total.mul_(beta).add_(g)
+    steps, _ = resolve_coefficients("keller", 5)
+    a, b = newton_schulz(ema, steps).float(), newton_schulz(total, steps).float()
+    assert (a - b).abs().max() < 0.02
+
+
+def test_adamw_groups_match_torch_adamw() -> None:
+    gen = torch.Generator().manual_seed(5)
+    ours = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in [(10,), (32, 16)]]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = Muon(
+        [{"params": ours, "use_muon": False}],
+        adamw_lr=1e-2,
+        adamw_betas=(0.9, 0.95),
+        adamw_eps=1e-10,
+        adamw_weight_decay=0.1,
+    )
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.1)
+    for _ in range(3):
+        for a, b in zip(ours, ref, strict=True):
+            a.grad = b.grad = torch.randn(a.shape, generator=gen)
+        opt.step()
+        ref_opt.step()
+    for a, b in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-6)
+
+
+def test_zero_gradient_leaves_only_weight_decay() -> None:
+    p = torch.nn.Parameter(torch.ones(8, 8))
+    opt = Muon([p], lr=0.1, weight_decay=0.5)
+    p.grad = torch.zeros(8, 8)
+    opt.step()
+    assert torch.equal(p.detach(), torch.full((8, 8), 1 - 0.1 * 0.5))
+
+
+def test_clip_grad_norm_scheduler_and_state_dict_round_trip() -> None:
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
+        muon = [model[0].weight, model[1].weight]
+        rest = [model[0].bias, model[1].bias]
+        opt = Muon([{"params": muon}, {"params": rest, "use_muon": False}], lr=0.05)
+        return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (s + 1))
+
+    def train(model, opt, sched, seeds):
+        for seed in seeds:
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(seed))
+            opt.zero_grad()
+            model(x).square().sum().backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+
+    model, opt, sched = make()
+    train(model, opt, sched, [0, 1])
+    assert math.isclose(opt.param_groups[0]["lr"], 0.05 / 3)
+    twin, twin_opt, twin_sched = make()
+    twin.load_state_dict(model.state_dict())
+    twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    twin_sched.load_state_dict(sched.state_dict())
+    train(model, opt, sched, [2, 3])
+    train(twin, twin_opt, twin_sched, [2, 3])
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_bad_input() -> None:
+    w = torch.nn.Parameter(torch.zeros(4, 4))
+    with pytest.raises(ValueError, match=r"Muon group holds params\[1\] of shape \(4,\)"):
+        Muon([w, torch.nn.Parameter(torch.zeros(4))])
+    with pytest.raises(ValueError, match="Muon group holds bias"):
+        Muon([("weight", w), ("bias", torch.nn.Parameter(torch.zeros(4)))])
+    with pytest.raises(ValueError, match="unknown ns_coefficients 'nope'"):
+        Muon([w], ns_coefficients="nope")
+    with pytest.raises(ValueError, match=r"Invalid lr: -1\.0"):
+        Muon([w], lr=-1.0)
+    with pytest.raises(ValueError, match="unknown adjust_lr 'spectral'"):
+        Muon([w], adjust_lr="spectral")
+    with pytest.raises(ValueError, match=r"Invalid momentum: 1\.0"):
+        Muon([w], momentum=1.0)
+    with pytest.raises(ValueError, match=r"Invalid beta parameter at index 0: -0\.1"):
+        Muon([w], adamw_betas=(-0.1, 0.9))
+    with pytest.raises(ValueError, match="bucket_bytes must be an int >= 1"):
+        Muon([w], bucket_bytes=0)
