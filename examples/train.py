@@ -58,7 +58,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line."""
     parser = _Parser(description=__doc__.split("\n")[0])
     parser.add_argument("--engine", choices=["ours", "fsdp2"], default="ours")
-    parser.add_argument("--optimizer", choices=["adamw"], default="adamw")
+    parser.add_argument(
+        "--optimizer",
+        choices=["adamw", "muon", "adamw8bit"],
+        default="adamw",
+        help="muon: Muon on the blocks' matrices, AdamW on the rest; adamw8bit: 8-bit moments",
+    )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--nproc", type=int, default=0, help="start this many local ranks")
     parser.add_argument("--steps", type=int, default=300)
@@ -96,6 +101,11 @@ def check_args(args: argparse.Namespace, world: int) -> None:
         raise UsageError(f"--dim {args.dim} must be a multiple of --heads {args.heads}")
     if args.resume is not None and not (args.resume / "meta.json").is_file():
         raise UsageError(f"--resume {args.resume}: no checkpoint there (no meta.json)")
+    if args.optimizer == "adamw8bit" and args.engine == "fsdp2":
+        raise UsageError(
+            "--optimizer adamw8bit needs shards cut between 32-row blocks, which FSDP2's "
+            "Shard(0) does not give: use --engine ours"
+        )
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device on this machine")
 
@@ -160,10 +170,41 @@ def build(args: argparse.Namespace, vocab: int, device: torch.device) -> nn.Modu
         from fsdp_engine import fully_shard
     else:
         from torch.distributed.fsdp import fully_shard  # type: ignore[assignment]
+    kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": mp}
+    if args.optimizer == "adamw8bit":  # whole 32 x 32 quantization blocks on every rank
+        kwargs["block_rows"] = lambda fqn, p: 32 if p.dim() == 2 else 1
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
     return model
+
+
+def make_optimizer(name: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """AdamW, AdamW8bit, or Muon on the blocks' matrices with AdamW on everything else.
+
+    Embeddings, the output head and norms are not hidden matrices (Muon's update suits only
+    those), so they go to Muon's AdamW groups; "match_rms_adamw" scales Muon's update to
+    AdamW's RMS, so one learning rate serves both.
+    """
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    from ragged_optimizers import AdamW8bit, Muon
+
+    if name == "adamw8bit":
+        return AdamW8bit(model.named_parameters(), lr=lr, weight_decay=0.1)
+    named = list(model.named_parameters())
+    hidden = [(n, p) for n, p in named if n.startswith("layers.") and p.dim() >= 2]
+    rest = [(n, p) for n, p in named if not (n.startswith("layers.") and p.dim() >= 2)]
+    return Muon(
+        [{"params": hidden}, {"params": rest, "use_muon": False}],
+        lr=lr,
+        weight_decay=0.1,
+        adjust_lr="match_rms_adamw",
+        adamw_lr=lr,
+        adamw_betas=(0.9, 0.95),
+        adamw_eps=1e-8,
+        adamw_weight_decay=0.1,
+    )
 
 
 def padding_bytes(model: nn.Module, engine: str) -> int:
@@ -247,11 +288,17 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.set_device(device)
     text = Text(args.data)
     model = build(args, len(text.chars), device)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    opt = make_optimizer(args.optimizer, model, args.lr)
     start = load(args.resume, model, opt) if args.resume is not None else 0
     per_rank = args.global_batch // world
     tokens_per_step = args.global_batch * args.seq_len
-    record: dict[str, Any] = {"train": [], "val": [], "step_s": [], "engine": args.engine}
+    record: dict[str, Any] = {
+        "train": [],
+        "val": [],
+        "step_s": [],
+        "engine": args.engine,
+        "optimizer": args.optimizer,
+    }
 
     def step_fn(step: int) -> float:
         batch = text.batch("train", args.seed, step, args.global_batch, args.seq_len)

@@ -44,6 +44,8 @@ def _losses(record: dict[str, object]) -> dict[int, float]:
         (["--nproc", "5"], "--global-batch 12 does not split over 5 ranks"),
         (["--resume", "{empty}"], "no checkpoint there"),
         (["--seq-len", "2000000"], "longer than the val split"),
+        (["--engine", "fsdp2", "--optimizer", "adamw8bit"], "use --engine ours"),
+        (["--optimizer", "lion"], "invalid choice: 'lion'"),
     ],
 )
 def test_bad_input_is_one_clear_line(tmp_path, args, message) -> None:
@@ -91,3 +93,26 @@ def test_model_builds_every_tensor_on_the_input_device(num_experts) -> None:
     tokens = torch.zeros(2, 8, dtype=torch.long, device="meta")
     with fx_config.patch(meta_nonzero_assume_all_nonzero=True):
         assert model(tokens).shape == (2, 8, Config().vocab)
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "adamw8bit"])
+def test_optimizers_train_and_resume_on_another_world_size(tmp_path, optimizer) -> None:
+    # DCP reshards the optimizer state (Muon's momentum, AdamW8bit's codes and scales) from
+    # 2 ranks' layout to 3 ranks'; the resumed run continues the uninterrupted curve.
+    args = ("--optimizer", optimizer, "--lr", "1e-2")
+    full = _losses(_train("--nproc", "2", "--steps", "16", *args, out=tmp_path / "a"))
+    checkpoint = tmp_path / "ck"
+    _train(
+        "--nproc", "2", "--steps", "8", "--checkpoint", str(checkpoint), *args, out=tmp_path / "b"
+    )
+    after = _losses(
+        _train(
+            "--nproc", "3", "--steps", "16", "--resume", str(checkpoint), *args, out=tmp_path / "c"
+        )
+    )
+    assert sorted(after) == list(range(9, 17)), sorted(after)
+    for step in range(9, 17):
+        assert abs(full[step] - after[step]) < 1e-3, (step, full[step], after[step])
+    assert full[16] < full[1] - 0.3  # it learns
+    resume = max(abs(full[s] - after[s]) for s in range(9, 17))
+    print(f"{optimizer}: max loss difference, resumed on 3 ranks {resume:.2e}")

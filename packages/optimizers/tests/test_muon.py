@@ -124,6 +124,7 @@ def test_clip_grad_norm_scheduler_and_state_dict_round_trip() -> None:
     model, opt, sched = make()
     train(model, opt, sched, [0, 1])
     assert math.isclose(opt.param_groups[0]["lr"], 0.05 / 3)
+    assert math.isclose(opt.param_groups[1]["lr"], 3e-4 / 3)  # the AdamW group too
     twin, twin_opt, twin_sched = make()
     twin.load_state_dict(model.state_dict())
     twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))

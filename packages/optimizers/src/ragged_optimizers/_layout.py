@@ -78,6 +78,8 @@ class Layout:
     def piece_rows(self, rank: int, row_numel: int) -> tuple[int, int] | None:
         """Rank's piece as [first row, end row) of `row_numel`-element rows, None if it cuts one."""
         lo, hi = self.ranges[rank]
+        if lo == hi:  # an empty piece cuts nothing; its neighbours' ends are checked
+            return (-(-lo // row_numel),) * 2 if row_numel else (0, 0)
         if row_numel == 0 or lo % row_numel or (hi % row_numel and hi != self.numel):
             return None
         return lo // row_numel, -(-hi // row_numel)

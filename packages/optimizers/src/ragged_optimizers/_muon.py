@@ -91,7 +91,8 @@ class Muon(Optimizer):
         adjust_lr: "original" (lr * sqrt(max(1, rows / cols))) or "match_rms_adamw"
             (lr * 0.2 * sqrt(max(rows, cols))).
         eps: Lower bound of the norm the matrix is divided by.
-        adamw_lr: AdamW groups' learning rate.
+        adamw_lr: AdamW groups' learning rate: their "lr" unless they set one, so learning
+            rate schedulers scale it like every other group's.
         adamw_betas: AdamW groups' betas.
         adamw_eps: AdamW groups' eps.
         adamw_weight_decay: AdamW groups' decoupled weight decay.
@@ -149,6 +150,12 @@ class Muon(Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Adds a param group (checked: hyper-parameters and, for Muon groups, shapes)."""
+        if not param_group.get("use_muon", True) and "lr" not in param_group:
+            # An AdamW group's learning rate is its "lr", so schedulers scale it too.
+            param_group = {
+                **param_group,
+                "lr": param_group.get("adamw_lr", self.defaults["adamw_lr"]),
+            }
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         names = group.get("param_names") or [
@@ -330,7 +337,7 @@ class Muon(Optimizer):
                 local_flat(state["exp_avg"]),
                 local_flat(state["exp_avg_sq"]),
                 step=int(state["step"].item()),
-                lr=group["adamw_lr"],
+                lr=group["lr"],
                 betas=group["adamw_betas"],
                 eps=group["adamw_eps"],
                 weight_decay=group["adamw_weight_decay"],
