@@ -184,7 +184,7 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def bench(session: nox.Session) -> None:
-    """Run a benchmark: `nox -s bench -- planner|placement|dbuffer|engine|guard [options]`."""
+    """Run a benchmark: `nox -s bench -- planner|placement|dbuffer|engine|guard|optimizers`."""
     which = session.posargs[0] if session.posargs else "planner"
     scripts = {
         "planner": "packages/shard-planner/benchmarks/bench_planner.py",
@@ -192,6 +192,7 @@ def bench(session: nox.Session) -> None:
         "dbuffer": "packages/dbuffer/benchmarks/bench_dbuffer.py",
         "engine": "packages/fsdp-engine/benchmarks/bench_engine.py",
         "guard": "packages/fsdp-engine/benchmarks/bench_guard.py",
+        "optimizers": "packages/optimizers/benchmarks/bench_optimizers.py",
     }
     if which not in scripts:
         session.error(f"unknown benchmark {which!r}; valid: {', '.join(scripts)}")

@@ -169,10 +169,12 @@ class AdamW8bit(Optimizer):
         else:
             exp_avg, exp_avg_sq = local_flat(state["exp_avg"]), local_flat(state["exp_avg_sq"])
         work = local if local.dtype == torch.float32 else local.float()
-        finite = torch.isfinite(grad)
-        all_finite = bool(finite.all())
-        before = None if all_finite else work.clone()
-        grad32 = grad.float() if all_finite else torch.where(finite, grad.float(), 0.0)
+        # One reduction decides the common case; a NaN or Inf anywhere makes the sum
+        # non-finite (as can a finite overflow, which only costs the masked path below).
+        all_finite = bool(torch.isfinite(grad.sum()))
+        finite = torch.isfinite(grad) if not all_finite else None
+        before = None if finite is None else work.clone()
+        grad32 = grad.float() if finite is None else torch.where(finite, grad.float(), 0.0)
         adamw_step(
             work,
             grad32,
@@ -184,7 +186,7 @@ class AdamW8bit(Optimizer):
             eps=group["eps"],
             weight_decay=group["weight_decay"],
         )
-        if before is not None:
+        if finite is not None and before is not None:
             work.copy_(torch.where(finite, work, before))
             exp_avg.masked_fill_(~finite, 0.0)
             exp_avg_sq.masked_fill_(~finite, 0.0)

@@ -43,10 +43,39 @@ def dynamic_map(signed: bool) -> torch.Tensor:
     return torch.tensor(sorted(values), dtype=torch.float32)
 
 
+# Nearest-value search without a binary search: a float32 is binned by its top 17 bits (sign,
+# exponent and 8 mantissa bits: bins 2^-8 of a power of two wide). The map's values are at
+# least 0.7% apart, so a bin holds at most one midpoint between neighbouring values; a table
+# gives each bin's code at its low end, and one comparison with the next midpoint finishes.
+_KEY_SHIFT = 15
+_KEY_MASK = (1 << 17) - 1
+
+
 @functools.cache
-def _midpoints(signed: bool) -> torch.Tensor:
-    table = dynamic_map(signed)
-    return (table[:-1] + table[1:]) / 2
+def _code_table(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(code at the low end of each bin, uint8; midpoints padded with +inf, float32)."""
+    midpoints = (dynamic_map(signed)[:-1] + dynamic_map(signed)[1:]) / 2
+    lows = (torch.arange(1 << 16, dtype=torch.int32) << _KEY_SHIFT).view(torch.float32)
+    highs = torch.cat([lows[1:], torch.tensor([float("inf")])])
+    # Code = number of midpoints below x. Positive bin [lo, hi): count those < lo; negative
+    # bin (-hi, -lo]: count those <= -hi.
+    positive = torch.bucketize(lows, midpoints)
+    negative = torch.bucketize(-highs, midpoints, right=True)
+    finite = highs < float("inf")  # past the largest float: inf and NaN patterns
+    spans = torch.bucketize(highs, midpoints) - positive
+    spans = torch.maximum(spans, torch.bucketize(-lows, midpoints, right=True) - negative)
+    assert int(spans[finite].max()) <= 1, "a bin holds two midpoints: the map is too fine"
+    table = torch.cat([positive, negative]).to(torch.uint8)
+    return table, torch.cat([midpoints, torch.tensor([float("inf")])])
+
+
+def _nearest_codes(x: torch.Tensor, signed: bool) -> torch.Tensor:
+    """The code of the map value nearest to each element of a contiguous float32 tensor."""
+    table, midpoints = (t.to(x.device) for t in _code_table(signed))
+    flat = x.reshape(-1)
+    keys = (flat.view(torch.int32) >> _KEY_SHIFT) & _KEY_MASK
+    codes = table.index_select(0, keys)
+    return codes + (flat > midpoints.index_select(0, codes.int()))
 
 
 def _blocked(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -99,8 +128,8 @@ def quantize(
     # An all-zero block keeps scale 0 and codes of 0.0; dividing by 1 avoids 0 / 0.
     divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
     normalized = _blocked(x, block) / divisor[:, None, :, None]
-    codes = torch.bucketize(normalized, _midpoints(signed).to(x.device))
-    return _unblocked(codes, *x.shape).to(torch.uint8), scales
+    codes = _nearest_codes(normalized, signed).view(normalized.shape)
+    return _unblocked(codes, *x.shape).contiguous(), scales
 
 
 def dequantize(
@@ -122,6 +151,7 @@ def dequantize(
         ...            signed=False)
         tensor([[2.]])
     """
-    values = dynamic_map(signed).to(codes.device)[codes.long()]
+    table = dynamic_map(signed).to(codes.device)
+    values = table.index_select(0, codes.reshape(-1).int()).view(codes.shape)
     blocks = _blocked(values, block) * scales[:, None, :, None]
     return _unblocked(blocks, *codes.shape).contiguous()

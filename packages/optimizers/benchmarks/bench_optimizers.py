@@ -1,0 +1,271 @@
+"""Distributed Muon and AdamW8bit on the engine benchmark's dense model, gloo, W = 2 and 4.
+
+Run: `nox -s bench -- optimizers` (or `python benchmarks/bench_optimizers.py`).
+
+The model is the engine benchmark's dense decoder (8 blocks of dim 512, vocabulary 32,000,
+58.5M parameters) under fully_shard(block_rows=32). Gradients are random sharded tensors (the
+optimizer step alone is timed). Muon runs on the 40 hidden matrices (AdamW on the rest) in
+three ways, alternating in one run:
+- "lpt": ragged_optimizers.Muon, one owner per matrix by the LPT plan;
+- "round_robin": the same exchange with owner = matrix index mod W;
+- "redundant": what an FSDP2 user has today: every rank gathers every full matrix (bf16) and
+  runs Newton-Schulz on all of them, then keeps its piece.
+AdamW8bit runs against torch.optim.AdamW (foreach) on all parameters. Reported per W: the
+slowest rank's median step, FLOPs makespan of the owner plans, bytes each rank sends per step,
+and state bytes. Writes build/bench/optimizers.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "examples"))
+
+
+def _round_robin(names, shapes, pieces, num_ranks, ns_steps):  # type: ignore[no-untyped-def]
+    from ragged_optimizers import MatrixAssignment, ns_flops
+
+    out = []
+    for i, (name, shape, held) in enumerate(zip(names, shapes, pieces, strict=True)):
+        owner = i % num_ranks
+        moved = sum(held) - held[owner]
+        flops = ns_flops(shape, ns_steps)
+        out.append(MatrixAssignment(i, name, tuple(shape), owner, flops, moved, moved))
+    return tuple(out)
+
+
+def _model() -> Any:
+    from model import Config, Decoder
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_engine import fully_shard
+
+    torch.manual_seed(0)
+    model = Decoder(Config(vocab=32000, dim=512, num_heads=8, num_layers=8, hidden=1376))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    rows = lambda fqn, p: 32 if p.dim() == 2 else 1  # noqa: E731
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, block_rows=rows)
+    fully_shard(model, mesh=mesh, block_rows=rows)
+    return model
+
+
+def _set_grads(model: Any, seed: int) -> None:
+    from torch.distributed.tensor import DTensor
+
+    gen = torch.Generator().manual_seed(seed * 100 + dist.get_rank())
+    for p in model.parameters():
+        local = torch.randn(p.to_local().shape, generator=gen)
+        p.grad = DTensor.from_local(
+            local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+        )
+
+
+def _muon_groups(model: Any) -> list[dict[str, Any]]:
+    named = list(model.named_parameters())
+    hidden = [(n, p) for n, p in named if n.startswith("layers.") and p.dim() == 2]
+    rest = [(n, p) for n, p in named if not (n.startswith("layers.") and p.dim() == 2)]
+    return [{"params": hidden}, {"params": rest, "use_muon": False}]
+
+
+class RedundantMuon:
+    """Every rank gathers every matrix and orthogonalizes all of them (Moonlight-style)."""
+
+    def __init__(self, opt: Any) -> None:
+        self.opt = opt  # ours, for the AdamW groups, momentum and the update formula
+
+    def step(self) -> None:
+        from torch.distributed.tensor import DTensor
+
+        from ragged_optimizers._layout import layout_of
+
+        with torch.no_grad():
+            for group in self.opt.param_groups:
+                if not group["use_muon"]:
+                    self.opt._adamw(group)
+                    continue
+                for p in group["params"]:
+                    update = self.opt._momentum(p, group).to(torch.bfloat16)
+                    full = DTensor.from_local(
+                        update,
+                        p.device_mesh,
+                        p.placements,
+                        run_check=False,
+                        shape=p.shape,
+                        stride=p.stride(),
+                    ).full_tensor()
+                    layout = layout_of(p)
+                    o = self.opt._orthogonalize(full.reshape(-1), layout, group)
+                    lo, hi = layout.local_range
+                    self.opt._apply(p, layout, o[lo:hi], group)
+
+
+def _timed(step: Any, steps: int) -> list[float]:
+    out = []
+    for _ in range(steps):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        elapsed = torch.tensor(time.perf_counter() - start)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank
+        out.append(elapsed.item())
+    return out
+
+
+def _state_bytes(opt: Any) -> int:
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for state in opt.state.values():
+        for key, value in state.items():
+            if key != "step" and isinstance(value, torch.Tensor):
+                local = value.to_local() if isinstance(value, DTensor) else value
+                total += local.nbytes
+    value = torch.tensor(total, dtype=torch.float64)
+    dist.all_reduce(value)
+    return int(value.item())
+
+
+def _rank(rank: int, world: int, init: str, args: argparse.Namespace, out: Any) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    import ragged_optimizers._muon as muon
+    from ragged_optimizers import AdamW8bit, Muon, makespan
+    from ragged_placement import CommCounter
+
+    model = _model()
+    num_params = sum(p.numel() for p in model.parameters())
+    lpt = Muon(_muon_groups(model), lr=0.0)  # lr 0: the timings do not move the weights
+    plan = lpt.owner_plan()
+    rr_plan = _round_robin(
+        [a.name for a in plan],
+        [a.shape for a in plan],
+        [[hi - lo for lo, hi in lpt._layout(p, "").ranges] for p in lpt.param_groups[0]["params"]],
+        world,
+        5,
+    )
+    variants: dict[str, Any] = {"lpt": lpt.step, "redundant": RedundantMuon(lpt).step}
+    original = muon.plan_owners
+
+    def round_robin_step() -> None:
+        muon.plan_owners = _round_robin  # type: ignore[assignment]
+        try:
+            lpt.step()
+        finally:
+            muon.plan_owners = original
+
+    variants["round_robin"] = round_robin_step
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    sent: dict[str, int] = {}
+    _set_grads(model, 0)
+    for name, step in variants.items():  # warm-up, and bytes sent per step
+        with CommCounter() as comms:
+            step()
+        mine = torch.tensor(float(comms.bytes_sent))
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+        sent[name] = int(mine.item())
+    for _ in range(args.rounds):
+        for name, step in variants.items():
+            times[name] += _timed(step, args.steps)
+
+    # AdamW8bit against torch's foreach AdamW, on every parameter.
+    eight = AdamW8bit(model.parameters(), lr=0.0)
+    fp32 = torch.optim.AdamW(model.parameters(), lr=0.0, foreach=True)
+    eight.step()
+    fp32.step()
+    adam_times: dict[str, list[float]] = {"adamw8bit": [], "adamw_foreach": []}
+    for _ in range(args.rounds):
+        adam_times["adamw8bit"] += _timed(eight.step, args.steps)
+        adam_times["adamw_foreach"] += _timed(fp32.step, args.steps)
+    state = {"adamw8bit": _state_bytes(eight), "adamw_foreach": _state_bytes(fp32)}
+    if rank == 0:
+        out.put(
+            {
+                "world": world,
+                "num_params": num_params,
+                "num_matrices": len(plan),
+                "muon_ms": {k: statistics.median(v) * 1e3 for k, v in times.items()},
+                "makespan_gflop": {
+                    "lpt": makespan(plan, world) / 1e9,
+                    "round_robin": makespan(rr_plan, world) / 1e9,
+                    "total": sum(a.flops for a in plan) / 1e9,
+                },
+                "sent_mb_per_step": {k: v / 1e6 for k, v in sent.items()},
+                "adam_ms": {k: statistics.median(v) * 1e3 for k, v in adam_times.items()},
+                "state_bytes": state,
+            }
+        )
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)  # gloo teardown can abort spuriously at interpreter exit
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worlds", default="2,4")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per variant and round")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=ROOT / "build" / "bench" / "optimizers.json")
+    args = parser.parse_args()
+    ctx = mp.get_context("spawn")
+    results = []
+    for world in (int(w) for w in args.worlds.split(",")):
+        queue = ctx.Queue()
+        init = f"file://{tempfile.mkdtemp()}/rendezvous"
+        procs = [
+            ctx.Process(target=_rank, args=(rank, world, init, args, queue))
+            for rank in range(world)
+        ]
+        for proc in procs:
+            proc.start()
+        result = queue.get(timeout=1800)
+        for proc in procs:
+            proc.join()
+        results.append(result)
+        _print(result, args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {args.out}")
+
+
+def _print(r: dict[str, Any], args: argparse.Namespace) -> None:
+    w, ms, span = r["world"], r["muon_ms"], r["makespan_gflop"]
+    print(
+        f"\nW={w}: {r['num_params'] / 1e6:.1f}M parameters, {r['num_matrices']} Muon matrices, "
+        f"median of {args.steps * args.rounds} steps, slowest rank"
+    )
+    print("| Muon owners | step ms | / redundant | NS makespan GFLOP | sent MB / step (max rank) |")
+    print("| --- | --- | --- | --- | --- |")
+    spans = {"lpt": span["lpt"], "round_robin": span["round_robin"], "redundant": span["total"]}
+    for name in ("lpt", "round_robin", "redundant"):
+        print(
+            f"| {name} | {ms[name]:.0f} | {ms[name] / ms['redundant']:.3f} | {spans[name]:.1f} | "
+            f"{r['sent_mb_per_step'][name]:.1f} |"
+        )
+    print(f"LPT makespan / round robin: {span['lpt'] / span['round_robin']:.3f}")
+    a, s = r["adam_ms"], r["state_bytes"]
+    print(
+        f"AdamW8bit: step {a['adamw8bit']:.0f} ms vs torch AdamW foreach "
+        f"{a['adamw_foreach']:.0f} ms "
+        f"({a['adamw8bit'] / a['adamw_foreach']:.2f}x); state {s['adamw8bit'] / 1e6:.1f} MB vs "
+        f"{s['adamw_foreach'] / 1e6:.1f} MB ({s['adamw8bit'] / s['adamw_foreach']:.4f}x, "
+        f"{s['adamw8bit'] / r['num_params']:.4f} bytes per parameter)"
+    )
+
+
+if __name__ == "__main__":
+    main()
