@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -214,13 +215,65 @@ def _rank(rank: int, world: int, init: str, args: argparse.Namespace, out: Any) 
     os._exit(0)  # gloo teardown can abort spuriously at interpreter exit
 
 
+def _preset_plans(presets: list[str], worlds: list[int]) -> list[dict[str, Any]]:
+    """LPT against round robin from shapes alone, on real models' hidden matrices."""
+    import shard_planner
+    from ragged_optimizers import makespan, plan_owners
+    from ragged_placement._placement import chunk_range
+
+    rows = []
+    for preset in presets:
+        entries = [
+            e
+            for g in shard_planner.load_preset(preset).groups
+            for e in g.entries
+            if len(e.shape) in (2, 3) and not any(k in e.name for k in ("embed", "lm_head"))
+        ]
+        names = [e.name for e in entries]
+        shapes = [tuple(e.shape) for e in entries]
+        for world in worlds:
+            pieces = [
+                [
+                    (hi - lo) * math.prod(s[1:])
+                    for lo, hi in (chunk_range(s[0], world, r) for r in range(world))
+                ]
+                for s in shapes
+            ]
+            lpt = plan_owners(names, shapes, pieces, world, 5)
+            rr = _round_robin(names, shapes, pieces, world, 5)
+            total = sum(a.flops for a in lpt)
+            bound = max(max(a.flops for a in lpt), total / world)
+            rows.append(
+                {
+                    "preset": preset,
+                    "world": world,
+                    "num_matrices": len(lpt),
+                    "lpt_over_bound": makespan(lpt, world) / bound,
+                    "round_robin_over_bound": makespan(rr, world) / bound,
+                }
+            )
+    print("\nOwner plans from shapes alone (5 Newton-Schulz steps; bound = max(largest, total/W))")
+    print("| preset | W | matrices | LPT makespan / bound | round robin / bound |")
+    print("| --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(
+            f"| {r['preset']} | {r['world']} | {r['num_matrices']:,} | "
+            f"{r['lpt_over_bound']:.3f} | {r['round_robin_over_bound']:.3f} |"
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", default="2,4")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per variant and round")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, default=ROOT / "build" / "bench" / "optimizers.json")
+    parser.add_argument("--plans-only", action="store_true", help="only the preset plan table")
     args = parser.parse_args()
+    plans = _preset_plans(["llama3-8b", "qwen3-30b-a3b", "gpt-oss-120b"], [8, 64, 256])
+    if args.plans_only:
+        return
     ctx = mp.get_context("spawn")
     results = []
     for world in (int(w) for w in args.worlds.split(",")):
@@ -238,7 +291,7 @@ def main() -> None:
         results.append(result)
         _print(result, args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
+    args.out.write_text(json.dumps({"steps": results, "preset_plans": plans}, indent=2))
     print(f"wrote {args.out}")
 
 
