@@ -195,7 +195,28 @@ def check_adamw8bit_rejects_cut_blocks() -> None:
     AdamW8bit([param], min_8bit_numel=65 * 64 + 1)  # fp32 state: any cut is fine
 
 
-def check_adamw8bit_dcp_reshard(directory: str, save_world: int) -> None:
+def _dcp_case(optimizer: str, world: int) -> tuple[Any, ...]:
+    """(mesh, full tensors, sharded params, gradients of a step, optimizer factory)."""
+    if optimizer == "adamw8bit":
+        mesh, full, params = _adam_setup(world)
+        return mesh, full, params, _adam_grads, lambda ps: AdamW8bit(list(ps.items()))
+    mesh = init_device_mesh("cpu", (world,))
+    shapes = {**MUON_SHAPES, "bias": (7,)}
+    full = _full_tensors(shapes, 0)
+    params = {
+        n: torch.nn.Parameter(distribute_tensor(t, mesh, _placements(n, t.shape, world, "ragged")))
+        for n, t in full.items()
+    }
+
+    def make(ps: dict[str, torch.nn.Parameter]) -> Muon:
+        matrices = [(n, p) for n, p in ps.items() if n != "bias"]
+        return Muon([{"params": matrices}, {"params": [("bias", ps["bias"])], "use_muon": False}])
+
+    return mesh, full, params, lambda step: _full_tensors(shapes, 300 + step), make
+
+
+def check_dcp_reshard(directory: str, save_world: int, optimizer: str) -> None:
+    """Three steps at save_world, saved with DCP; loaded here and continued: bitwise."""
     world = dist.get_world_size()
     from torch.distributed.checkpoint.state_dict import (
         get_optimizer_state_dict,
@@ -208,12 +229,18 @@ def check_adamw8bit_dcp_reshard(directory: str, save_world: int) -> None:
             for n, p in params.items():
                 self.register_parameter(n, p)
 
-    mesh, full, params = _adam_setup(world)
+    mesh, full, params, grads, make = _dcp_case(optimizer, world)
     model = Holder(params)
-    opt = AdamW8bit(model.parameters())
-    if world == save_world:  # run 3 steps and save
+    opt = make(params)
+
+    def set_grads(step: int) -> dict[str, torch.Tensor]:
+        for n, g in grads(step).items():
+            params[n].grad = distribute_tensor(g, mesh, params[n].placements)
+        return grads(step)
+
+    if world == save_world:
         for step in range(3):
-            _set_grads(params, mesh, step, None)
+            set_grads(step)
             opt.step()
         dcp.save(
             {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)},
@@ -225,25 +252,32 @@ def check_adamw8bit_dcp_reshard(directory: str, save_world: int) -> None:
     dcp.load(state, checkpoint_id=directory)
     model.load_state_dict(state["model"])
     set_optimizer_state_dict(model, opt, state["optim"])
-    loaded = opt.state[params["w"]]
-    assert loaded["exp_avg"].dtype == torch.uint8 and loaded["exp_avg_scale"].dtype == torch.float32
+    if optimizer == "adamw8bit":
+        loaded = opt.state[params["w"]]
+        assert loaded["exp_avg"].dtype == torch.uint8
+        assert loaded["exp_avg_scale"].dtype == torch.float32
     # The reference: the same 3 steps in one process, then step 4 on both.
     ref = {n: torch.nn.Parameter(t.clone()) for n, t in full.items()}
-    ref_opt = AdamW8bit(list(ref.values()))
+    ref_opt = make(ref)
     for step in range(3):
-        for n, g in _adam_grads(step).items():
+        for n, g in grads(step).items():
             ref[n].grad = g
         ref_opt.step()
-    for n in ADAM_SHAPES:
-        assert torch.equal(params[n].full_tensor(), ref[n].detach()), n
-        for key, value in opt.state[params[n]].items():
-            got = value.full_tensor() if isinstance(value, DTensor) else value
-            assert torch.equal(got, ref_opt.state[ref[n]][key]), (n, key)
-    _set_grads(params, mesh, 3, ref)
+
+    def assert_equal() -> None:
+        for n in params:
+            assert torch.equal(params[n].full_tensor(), ref[n].detach()), n
+            for key, value in opt.state[params[n]].items():
+                got = value.full_tensor() if isinstance(value, DTensor) else value
+                assert got.dtype == ref_opt.state[ref[n]][key].dtype, (n, key)
+                assert torch.equal(got, ref_opt.state[ref[n]][key]), (n, key)
+
+    assert_equal()
+    for n, g in set_grads(3).items():
+        ref[n].grad = g
     opt.step()
     ref_opt.step()
-    for n in ADAM_SHAPES:
-        assert torch.equal(params[n].full_tensor(), ref[n].detach()), n
+    assert_equal()
 
 
 def _doctest_globs() -> dict[str, Any]:

@@ -25,7 +25,8 @@ def test_adamw8bit_matches_single_process_bitwise(pools, world) -> None:
         pools[world].run(cases.check_adamw8bit_rejects_cut_blocks)
 
 
-def test_adamw8bit_dcp_save_at_4_load_at_2_and_3(pools, tmp_path) -> None:
-    pools[4].run(cases.check_adamw8bit_dcp_reshard, str(tmp_path), 4)
+@pytest.mark.parametrize("optimizer", ["adamw8bit", "muon"])
+def test_dcp_save_at_4_load_at_2_and_3_continues_bitwise(pools, tmp_path, optimizer) -> None:
+    pools[4].run(cases.check_dcp_reshard, str(tmp_path), 4, optimizer)
     for world in (2, 3):
-        pools[world].run(cases.check_adamw8bit_dcp_reshard, str(tmp_path), 4)
+        pools[world].run(cases.check_dcp_reshard, str(tmp_path), 4, optimizer)

@@ -103,6 +103,18 @@ def test_zero_gradient_leaves_only_weight_decay() -> None:
     assert torch.equal(p.detach(), torch.full((8, 8), 1 - 0.1 * 0.5))
 
 
+def test_non_finite_gradient_poisons_the_matrix_as_documented() -> None:
+    p = torch.nn.Parameter(torch.ones(8, 8))
+    opt = Muon([p])
+    grad = torch.ones(8, 8)
+    grad[2, 3] = float("nan")
+    p.grad = grad
+    opt.step()
+    assert p.isnan().all()
+    with pytest.raises(RuntimeError, match="non-finite"):
+        torch.nn.utils.clip_grad_norm_([p], 1.0, error_if_nonfinite=True)
+
+
 def test_clip_grad_norm_scheduler_and_state_dict_round_trip() -> None:
     def make():
         torch.manual_seed(0)

@@ -78,6 +78,10 @@ class Muon(Optimizer):
     or Shard(0) DTensors (FSDP2); other mesh axes must be Replicate. Matrices sharded over
     several ranks are orthogonalized once, by an owner per matrix (see `owner_plan`).
 
+    Non-finite gradients are not filtered (as in torch.optim.Muon): a NaN or Inf anywhere in
+    a matrix's gradient makes its whole update NaN, on every rank alike. Stop on them with
+    `clip_grad_norm_(..., error_if_nonfinite=True)`.
+
     Args:
         params: Parameters, named parameters or param groups. A group with
             `use_muon=False` is updated with AdamW (use it for embeddings, the output head,
