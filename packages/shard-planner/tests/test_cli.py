@@ -109,6 +109,35 @@ def test_plan_summary_from_a_group_file(tmp_path, capsys) -> None:
             "give a group file or --preset, not both",
         ),
         (["compare"], "give a group file or --preset NAME"),
+        (
+            ["estimate", "--preset", "llama3-8b", "--shard-size", "8", "--optimizer", "lamb"],
+            "invalid choice: 'lamb'",
+        ),
+        (
+            [
+                "advise",
+                "--preset",
+                "llama3-8b",
+                "--ranks",
+                "64",
+                "--memory-gb",
+                "80",
+                "--optimizer",
+                "adamw8bit",
+                "--block-rows",
+                "16",
+            ],
+            "block_rows must be a multiple of 32, got 16",
+        ),
+        (["advise", "--preset", "llama3-8b", "--ranks", "64"], "--memory-gb"),
+        (
+            ["estimate", "--preset", "llama3-8b", "--shard-size", "8", "--param-bytes", "3"],
+            "param_bytes must be 1, 2, 4 or 8",
+        ),
+        (
+            ["advise", "--preset", "llama3-8b", "--ranks", "8", "--memory-gb", "x"],
+            "expected a number, got 'x'",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_nonzero(argv, message) -> None:
@@ -174,3 +203,30 @@ def test_plot_needs_matplotlib_or_draws(tmp_path, capsys) -> None:
         assert code == 2 and "pip install 'shard-planner[plot]'" in capsys.readouterr().err
     else:
         assert code == 0 and out.stat().st_size > 1000
+
+
+def test_estimate_prints_the_figures_and_writes_json(tmp_path, capsys) -> None:
+    out = tmp_path / "e.json"
+    argv = ["estimate", "--preset", "llama3-8b", "--shard-size", "8", "--replicate-size", "2"]
+    assert main([*argv, "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "2 replicas x 8 shards = 16" in text and "optimizer state per rank" in text
+    record = json.loads(out.read_text())
+    assert record["shard_size"] == 8 and record["all_reduce_bytes"] > 0
+
+
+def test_advise_ranks_the_splits_and_names_the_padding(tmp_path, capsys) -> None:
+    out = tmp_path / "a.json"
+    argv = ["advise", "--preset", "gpt-oss-120b", "--ranks", "1024", "--memory-gb", "80"]
+    assert main([*argv, "--block-rows", "16", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| 1 | 16 x 64 |" in text
+    assert "padding under 3% at shard sizes [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]" in text
+    rows = json.loads(out.read_text())
+    assert len(rows) == 11 and all(r["replicate_size"] * r["shard_size"] == 1024 for r in rows)
+
+
+def test_advise_says_when_nothing_fits(capsys) -> None:
+    argv = ["advise", "--preset", "deepseek-v3-671b", "--ranks", "1024", "--memory-gb", "80"]
+    assert main(argv) == 0
+    assert "no split fits in 80.0 GiB per rank" in capsys.readouterr().out

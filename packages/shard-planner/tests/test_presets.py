@@ -11,6 +11,8 @@ EXPECTED_PARAMS = {
     "deepseek-v3-671b": 671_026_419_200,
     "gpt-oss-120b": 116_829_156_672,
     "qwen3-30b-a3b": 30_532_122_624,
+    # Not a released model: its config (in the file) gives this count; a scale test.
+    "synthetic-moe-2.4t": 2_406_393_769_984,
 }
 WORLD_SIZES = (8, 64, 256, 1024, 3072, 8192, 10240)
 # DeepSeek-V3's MoE layers at 1024 ranks were the one case above the padding target with the

@@ -13,8 +13,10 @@ Example:
     (256, 256, 256, 241)
 """
 
+from shard_planner._advise import Candidate, advise, factorisations
 from shard_planner._baselines import flat_padding, fsdp2_padding
 from shard_planner._bounds import lower_bound
+from shard_planner._estimate import OPTIMIZERS, Estimate, estimate
 from shard_planner._layout import Layout, LayoutError, dump_plan, load_plan
 from shard_planner._plan import ORDERS, plan_layout
 from shard_planner._presets import (
@@ -30,15 +32,21 @@ from shard_planner._spec import TensorSpec
 __version__ = "0.1.0"
 
 __all__ = [
+    "OPTIMIZERS",
     "ORDERS",
+    "Candidate",
+    "Estimate",
     "GroupSpec",
     "Layout",
     "LayoutError",
     "ModelPreset",
     "TensorSpec",
     "__version__",
+    "advise",
     "dump_plan",
+    "estimate",
     "explain_padding",
+    "factorisations",
     "flat_padding",
     "fsdp2_padding",
     "load_group_file",

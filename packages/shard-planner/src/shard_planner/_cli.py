@@ -1,4 +1,4 @@
-"""The `shard-planner` command line: plan, compare and show layouts.
+"""The `shard-planner` command line: plan, compare and show layouts; estimate and advise.
 
 Every user error (unknown preset, world size < 1, bad JSON, ...) exits with status 2 and one
 line on stderr, never a traceback.
@@ -10,8 +10,17 @@ import argparse
 import pathlib
 import sys
 from collections.abc import Callable, Iterable, Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
+from shard_planner._advise import advise
+from shard_planner._cost_report import (
+    format_candidates,
+    format_estimate,
+    padding_note,
+    plot_candidates,
+    to_json,
+)
+from shard_planner._estimate import OPTIMIZERS, estimate
 from shard_planner._layout import Layout, dump_plan, load_plan
 from shard_planner._plan import ORDERS, plan_layout
 from shard_planner._presets import (
@@ -48,6 +57,16 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
 
@@ -161,6 +180,68 @@ def _cmd_show(args: argparse.Namespace) -> None:
         print(f"wrote {args.out}")
 
 
+def _cost_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "param_bytes": args.param_bytes,
+        "grad_bytes": args.grad_bytes,
+        "compute_bytes": args.compute_bytes,
+        "optimizer": args.optimizer,
+        "block_rows": args.block_rows,
+        "intra_node_gbps": args.intra_node_gbps,
+        "inter_node_gbps": args.inter_node_gbps,
+        "latency_us": args.latency_us,
+    }
+
+
+def _cmd_estimate(args: argparse.Namespace) -> None:
+    model = _load_model(args)
+    est = estimate(
+        model.groups,
+        shard_size=args.shard_size,
+        replicate_size=args.replicate_size,
+        ranks_per_node=args.ranks_per_node,
+        **_cost_options(args),
+    )
+    print(f"{model.name}: {model.numel:,} parameters, {len(model.groups)} groups")
+    print(format_estimate(est))
+    if args.json:
+        import json
+        from dataclasses import asdict
+
+        text = json.dumps(asdict(est), indent=1)
+        _write(args.json, lambda path: pathlib.Path(path).write_text(text))
+        print(f"wrote {args.json}")
+
+
+def _cmd_advise(args: argparse.Namespace) -> None:
+    model = _load_model(args)
+    memory = int(args.memory_gb * 2**30)
+    candidates = advise(
+        model.groups,
+        num_ranks=args.ranks,
+        ranks_per_node=args.ranks_per_node,
+        memory_bytes=memory,
+        activation_bytes=int(args.activation_gb * 2**30),
+        include_all=True,
+        **_cost_options(args),
+    )
+    print(
+        f"{model.name}: {model.numel:,} parameters on {args.ranks} ranks ({args.ranks_per_node} "
+        f"per node), {args.memory_gb:g} GiB per rank, {args.block_rows} rows per block, "
+        f"optimizer {args.optimizer}"
+    )
+    print(format_candidates(candidates, memory))
+    print(padding_note(candidates))
+    if args.json:
+        text = to_json(candidates)
+        _write(args.json, lambda path: pathlib.Path(path).write_text(text))
+        print(f"wrote {args.json}")
+    if args.plot:
+        title = f"{model.name}, {args.ranks} ranks, {args.block_rows} rows per block"
+        _write(args.plot, lambda path: plot_candidates(candidates, path, title))
+        print(f"wrote {args.plot}")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="shard-planner",
@@ -203,6 +284,34 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--out", help="draw the layout into this PNG (needs matplotlib)")
     common(show)
     show.set_defaults(run=_cmd_show)
+
+    def costs(p: argparse.ArgumentParser) -> None:
+        p.add_argument("file", nargs="?", help="group file (or use --preset)")
+        p.add_argument("--preset", help=f"one of: {', '.join(preset_names())}")
+        p.add_argument("--ranks-per-node", type=_positive, default=8)
+        p.add_argument("--block-rows", type=_positive, default=1)
+        p.add_argument("--param-bytes", type=_positive, default=4)
+        p.add_argument("--grad-bytes", type=_positive, default=4)
+        p.add_argument("--compute-bytes", type=_positive, help="bytes gathered per element")
+        p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+        p.add_argument("--intra-node-gbps", type=_positive_float, default=400.0)
+        p.add_argument("--inter-node-gbps", type=_positive_float, default=50.0)
+        p.add_argument("--latency-us", type=_positive_float, default=20.0)
+        p.add_argument("--json", help="also write the result as JSON here")
+
+    est = sub.add_parser("estimate", help="memory per rank and communication per step")
+    costs(est)
+    est.add_argument("--shard-size", type=_positive, required=True)
+    est.add_argument("--replicate-size", type=_positive, default=1)
+    est.set_defaults(run=_cmd_estimate)
+
+    adv = sub.add_parser("advise", help="rank every (replicate, shard) split of N ranks")
+    costs(adv)
+    adv.add_argument("--ranks", type=_positive, required=True)
+    adv.add_argument("--memory-gb", type=_positive_float, required=True, help="GiB per rank")
+    adv.add_argument("--activation-gb", type=_positive_float, default=0.0)
+    adv.add_argument("--plot", help="padding and memory vs shard size, PNG (needs matplotlib)")
+    adv.set_defaults(run=_cmd_advise)
     return parser
 
 

@@ -1,0 +1,111 @@
+"""Which (replicate, shard) split of N ranks to use: every factorisation that fits, ranked."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from shard_planner._estimate import Estimate, estimate
+from shard_planner._presets import GroupSpec
+from shard_planner._spec import check_count
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One mesh shape and its estimate.
+
+    Attributes:
+        replicate_size: R, replicas (HSDP's outer axis; 1 is plain FSDP).
+        shard_size: W, ranks per FSDP group.
+        estimate: Memory and communication of this split.
+        memory_bytes: Peak per rank, `estimate.memory_bytes` plus the activations given.
+        fits: Whether `memory_bytes` is within the budget.
+    """
+
+    replicate_size: int
+    shard_size: int
+    estimate: Estimate
+    memory_bytes: int
+    fits: bool = True
+
+    def __post_init__(self) -> None:
+        if self.replicate_size * self.shard_size != self.estimate.num_ranks:
+            raise ValueError(f"{self.replicate_size} x {self.shard_size} does not match")
+
+
+def factorisations(num_ranks: int) -> list[tuple[int, int]]:
+    """Every (replicate, shard) pair with replicate * shard == num_ranks, shard descending.
+
+    Example:
+        >>> factorisations(12)
+        [(1, 12), (2, 6), (3, 4), (4, 3), (6, 2), (12, 1)]
+    """
+    num_ranks = check_count("num_ranks", num_ranks, 1)
+    pairs = [(r, num_ranks // r) for r in range(1, num_ranks + 1) if num_ranks % r == 0]
+    return pairs
+
+
+def advise(
+    groups: Sequence[GroupSpec],
+    *,
+    num_ranks: int,
+    ranks_per_node: int,
+    memory_bytes: int,
+    activation_bytes: int = 0,
+    min_shard_size: int = 1,
+    include_all: bool = False,
+    **options: Any,
+) -> list[Candidate]:
+    """Every (replicate, shard) factorisation of `num_ranks` whose memory fits, fastest first.
+
+    Each split is estimated with `estimate(groups, shard_size=W, replicate_size=R, ...)`; it
+    fits when its peak per rank (`Estimate.memory_bytes` + `activation_bytes`) is at most
+    `memory_bytes`. Candidates are ranked by predicted communication time per step, then by
+    padding, then by memory.
+
+    Args:
+        groups: The model's FSDP groups.
+        num_ranks: Ranks in all (R x W).
+        ranks_per_node: Ranks per node (shard groups within a node use the fast links).
+        memory_bytes: Memory per rank available for the model's state and transients.
+        activation_bytes: Added to every candidate's peak (activations, workspace).
+        min_shard_size: Skip splits with W below this (e.g. to keep some sharding).
+        include_all: Also return the splits that do not fit (`fits=False`), after the
+            fitting ones, by memory.
+        **options: Passed to `estimate` (param_bytes, grad_bytes, compute_bytes, optimizer,
+            block_rows, align_bytes, intra_node_gbps, inter_node_gbps, latency_us).
+
+    Returns:
+        The fitting candidates, best first (empty when none fits).
+
+    Example:
+        >>> from shard_planner import load_preset
+        >>> best = advise(load_preset("llama3-8b").groups, num_ranks=64, ranks_per_node=8,
+        ...               memory_bytes=80 * 2**30)[0]
+        >>> best.replicate_size, best.shard_size
+        (8, 8)
+    """
+    check_count("memory_bytes", memory_bytes, 1)
+    check_count("activation_bytes", activation_bytes, 0)
+    check_count("min_shard_size", min_shard_size, 1)
+    out = []
+    for replicate, shard in factorisations(num_ranks):
+        if shard < min_shard_size:
+            continue
+        est = estimate(
+            groups,
+            shard_size=shard,
+            replicate_size=replicate,
+            ranks_per_node=ranks_per_node,
+            **options,
+        )
+        peak = est.memory_bytes + activation_bytes
+        if peak <= memory_bytes or include_all:
+            out.append(Candidate(replicate, shard, est, peak, peak <= memory_bytes))
+    fitting = [c for c in out if c.fits]
+    fitting.sort(
+        key=lambda c: (c.estimate.comm_time_s, c.estimate.padding_elements, c.memory_bytes)
+    )
+    rest = sorted((c for c in out if not c.fits), key=lambda c: c.memory_bytes)
+    return fitting + rest

@@ -1,0 +1,100 @@
+"""Tables, JSON and plots for `estimate` and `advise` (the CLI's output)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+from shard_planner._advise import Candidate
+from shard_planner._estimate import Estimate
+
+_GIB = 2**30
+
+
+def format_estimate(est: Estimate) -> str:
+    """A two-column table of one estimate (GiB per rank, GB per step)."""
+    rows = [
+        ("ranks", f"{est.replicate_size} replicas x {est.shard_size} shards = {est.num_ranks}"),
+        ("parameters per rank", f"{est.param_bytes / _GIB:.3f} GiB"),
+        ("gradients per rank", f"{est.grad_bytes / _GIB:.3f} GiB"),
+        ("optimizer state per rank (max)", f"{est.optimizer_bytes / _GIB:.3f} GiB"),
+        ("largest group unsharded", f"{est.unsharded_bytes / _GIB:.3f} GiB"),
+        ("two adjacent groups unsharded", f"{est.prefetch_unsharded_bytes / _GIB:.3f} GiB"),
+        ("reduce-scatter input (largest)", f"{est.reduce_scatter_input_bytes / _GIB:.3f} GiB"),
+        ("peak per rank, no activations", f"{est.memory_bytes / _GIB:.3f} GiB"),
+        ("all-gather sent per step", f"{est.all_gather_bytes / 1e9:.3f} GB"),
+        ("reduce-scatter sent per step", f"{est.reduce_scatter_bytes / 1e9:.3f} GB"),
+        ("all-reduce sent per step", f"{est.all_reduce_bytes / 1e9:.3f} GB"),
+        ("padding", f"{est.padding_elements:,} elements ({100 * est.padding_ratio:.3f}%)"),
+        ("predicted communication per step", f"{est.comm_time_s:.3f} s (no overlap)"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def format_candidates(candidates: Sequence[Candidate], memory_bytes: int) -> str:
+    """The ranking as a markdown table; splits that do not fit are marked."""
+    lines = [
+        "| rank | replicate x shard | comm s/step | padding | memory GiB/rank | fits |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for i, c in enumerate(candidates, 1):
+        lines.append(
+            f"| {i if c.fits else '-'} | {c.replicate_size} x {c.shard_size} | "
+            f"{c.estimate.comm_time_s:.3f} | {100 * c.estimate.padding_ratio:.2f}% | "
+            f"{c.memory_bytes / _GIB:.1f} | {'yes' if c.fits else 'no'} |"
+        )
+    fitting = [c for c in candidates if c.fits]
+    if not fitting:
+        least = min(candidates, key=lambda c: c.memory_bytes)
+        lines.append(
+            f"no split fits in {memory_bytes / _GIB:.1f} GiB per rank; the smallest peak is "
+            f"{least.memory_bytes / _GIB:.1f} GiB ({least.replicate_size} x "
+            f"{least.shard_size}), of which the largest group alone takes "
+            f"{least.estimate.unsharded_bytes / _GIB:.1f} GiB unsharded"
+        )
+    return "\n".join(lines)
+
+
+def padding_note(candidates: Sequence[Candidate], threshold: float = 0.03) -> str:
+    """Which shard sizes keep padding under `threshold` (a fraction), in one line."""
+    good = sorted({c.shard_size for c in candidates if c.estimate.padding_ratio < threshold})
+    bad = sorted({c.shard_size for c in candidates if c.estimate.padding_ratio >= threshold})
+    return (
+        f"padding under {100 * threshold:g}% at shard sizes {good or 'none'}; "
+        f"at or above it at {bad or 'none'}"
+    )
+
+
+def to_json(candidates: Sequence[Candidate]) -> str:
+    """Every candidate with its full estimate, as JSON."""
+    out: list[dict[str, Any]] = []
+    for c in candidates:
+        record = asdict(c)
+        record["estimate"].pop("optimizer_bytes_by_rank")  # one entry per rank: too long
+        record["estimate"]["padding_ratio"] = c.estimate.padding_ratio
+        out.append(record)
+    return json.dumps(out, indent=1)
+
+
+def plot_candidates(candidates: Sequence[Candidate], path: str, title: str) -> None:
+    """Padding and memory per rank against the shard size (needs matplotlib)."""
+    from shard_planner._report import _pyplot
+
+    plt = _pyplot()
+    ordered = sorted(candidates, key=lambda c: c.shard_size)
+    sizes = [c.shard_size for c in ordered]
+    fig, left = plt.subplots(figsize=(7, 4))
+    left.plot(sizes, [100 * c.estimate.padding_ratio for c in ordered], "o-", color="tab:red")
+    left.set_xscale("log", base=2)
+    left.set_xlabel("shard size W (ranks per FSDP group)")
+    left.set_ylabel("padding, % of parameters", color="tab:red")
+    right = left.twinx()
+    right.plot(sizes, [c.memory_bytes / _GIB for c in ordered], "s--", color="tab:blue")
+    right.set_ylabel("peak memory per rank, GiB", color="tab:blue")
+    left.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,266 @@
+"""Memory and communication of one FSDP / HSDP configuration, from shapes alone.
+
+`estimate` plans every group at the shard size W (each distinct group once) and adds up what
+one rank holds and sends in a training step. The formulas are in its docstring.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from shard_planner._layout import Layout
+from shard_planner._plan import plan_layout
+from shard_planner._presets import GroupSpec
+from shard_planner._spec import check_count
+
+OPTIMIZERS = ("adamw", "adamw8bit", "muon", "sgd")
+QUANT_BLOCK = 32  # AdamW8bit's block: 32 x 32
+MIN_8BIT_NUMEL = 4096
+_NOT_MUON = ("embed", "lm_head", "output", "head")  # names Muon leaves to its AdamW groups
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Per-rank memory and per-step communication of one configuration (see `estimate`).
+
+    Byte counts are per rank; `optimizer_bytes` is the most loaded rank's and
+    `optimizer_bytes_by_rank` lists every shard rank's (replicas hold the same).
+    """
+
+    shard_size: int
+    replicate_size: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    optimizer_bytes_by_rank: tuple[int, ...]
+    unsharded_bytes: int
+    prefetch_unsharded_bytes: int
+    reduce_scatter_input_bytes: int
+    all_gather_bytes: int
+    reduce_scatter_bytes: int
+    all_reduce_bytes: int
+    padding_elements: int
+    padding_bytes: int
+    numel: int
+    comm_time_s: float
+
+    def __post_init__(self) -> None:
+        for name in ("shard_size", "replicate_size"):
+            check_count(name, getattr(self, name), 1)
+        if len(self.optimizer_bytes_by_rank) != self.shard_size:
+            raise ValueError("optimizer_bytes_by_rank needs one entry per shard rank")
+
+    @property
+    def num_ranks(self) -> int:
+        """replicate_size * shard_size."""
+        return self.replicate_size * self.shard_size
+
+    @property
+    def padding_ratio(self) -> float:
+        """Padding as a fraction of the model's elements."""
+        return self.padding_elements / self.numel if self.numel else 0.0
+
+    @property
+    def memory_bytes(self) -> int:
+        """Peak per rank, activations excluded: sharded state plus the step's transients.
+
+        param + grad + optimizer + prefetch_unsharded (two adjacent groups gathered) +
+        reduce_scatter_input (the largest group's unsharded gradients).
+        """
+        return (
+            self.param_bytes
+            + self.grad_bytes
+            + self.optimizer_bytes
+            + self.prefetch_unsharded_bytes
+            + self.reduce_scatter_input_bytes
+        )
+
+
+def _check_bytes(name: str, value: object) -> int:
+    count = check_count(name, value, 1)
+    if count not in (1, 2, 4, 8):
+        raise ValueError(f"{name} must be 1, 2, 4 or 8 (bytes per element), got {count}")
+    return count
+
+
+def _real_per_rank(layout: Layout) -> list[int]:
+    """Elements of real tensors (not padding) on each rank."""
+    size, out = layout.shard_size, [0] * layout.world_size
+    for spec, start in zip(layout.tensors, layout.starts, strict=True):
+        end = start + spec.numel
+        for rank in range(start // size, (end - 1) // size + 1) if spec.numel else ():
+            out[rank] += min(end, (rank + 1) * size) - max(start, rank * size)
+    return out
+
+
+def _optimizer_per_rank(layout: Layout, optimizer: str, param_bytes: int) -> list[int]:
+    """Optimizer state bytes on each rank for one group's layout."""
+    if optimizer in ("adamw", "sgd"):
+        per_element = 2 * param_bytes if optimizer == "adamw" else param_bytes
+        return [n * per_element for n in _real_per_rank(layout)]
+    size, out = layout.shard_size, [0] * layout.world_size
+    for spec, start in zip(layout.tensors, layout.starts, strict=True):
+        end = start + spec.numel
+        shape = spec.shape or (spec.numel,)
+        for rank in range(start // size, (end - 1) // size + 1) if spec.numel else ():
+            piece = min(end, (rank + 1) * size) - max(start, rank * size)
+            if optimizer == "muon":
+                muon = len(shape) >= 2 and not any(k in spec.name for k in _NOT_MUON)
+                out[rank] += piece * (param_bytes if muon else 2 * param_bytes)
+            elif len(shape) == 2 and spec.numel >= MIN_8BIT_NUMEL:  # adamw8bit, 8-bit state
+                lo, hi = layout.local_rows(spec.name, rank)
+                grid = (-(-hi // QUANT_BLOCK) - lo // QUANT_BLOCK) * -(-shape[1] // QUANT_BLOCK)
+                out[rank] += 2 * piece + 2 * 4 * grid  # two uint8 codes, two fp32 scales
+            else:  # adamw8bit keeps fp32 moments for small and non-2-D tensors
+                out[rank] += 2 * 4 * piece
+    return out
+
+
+def _link_gbps(group_span: int, ranks_per_node: int, intra: float, inter: float) -> float:
+    return intra if group_span <= ranks_per_node else inter
+
+
+def estimate(
+    groups: Sequence[GroupSpec],
+    *,
+    shard_size: int,
+    replicate_size: int = 1,
+    param_bytes: int = 4,
+    grad_bytes: int = 4,
+    compute_bytes: int | None = None,
+    optimizer: str = "adamw",
+    block_rows: int = 1,
+    align_bytes: int = 16,
+    ranks_per_node: int = 8,
+    intra_node_gbps: float = 400.0,
+    inter_node_gbps: float = 50.0,
+    latency_us: float = 20.0,
+) -> Estimate:
+    """Memory per rank and communication per step of FSDP over `shard_size` ranks (x replicas).
+
+    Every group g is planned with `plan_layout` at W = shard_size (blocks of `block_rows`
+    rows, S aligned to `align_bytes`, as DBuffer plans it), giving its shard size S_g.
+
+    Per rank (b_p = param_bytes, b_g = grad_bytes, b_c = compute_bytes or b_p):
+    - parameters: sum_g S_g b_p; gradients: sum_g S_g b_g (padding included: it is allocated);
+    - optimizer state, per rank r, over the real elements n_r it holds (padding excluded):
+      adamw 2 b_p n_r; sgd (momentum) b_p n_r; muon b_p per element of matrices (>= 2-D,
+      names without embed/head/output) and 2 b_p elsewhere (its AdamW groups); adamw8bit
+      2 bytes per element plus 2 x 4 bytes per 32 x 32 block touched for 2-D tensors of at
+      least 4096 elements, 2 x 4 bytes per element for the rest;
+    - unsharded: max_g W S_g b_c; with prefetch max_g W (S_g + S_g+1) b_c; reduce-scatter
+      input max_g W S_g b_g; `memory_bytes` sums these with the sharded state.
+    Per step, sent by each rank (what ragged_placement's CommCounter counts; received alike):
+    - all-gather: 2 per group (forward, and backward after resharding): 2 sum_g (W-1) S_g b_c;
+    - reduce-scatter: sum_g (W-1) S_g b_g;
+    - all-reduce over the replicas (HSDP, R > 1): sum_g S_g b_g.
+    Predicted time: each collective costs latency + wire bytes / bandwidth, with wire bytes
+    (W-1) S_g b for an all-gather or reduce-scatter and 2 (R-1)/R S_g b_g for a ring all-reduce;
+    the bandwidth (per rank) is intra-node when the collective's ranks share a node (shard
+    groups are consecutive ranks, replica groups strided by W), else inter-node. No overlap with
+    compute is assumed, so it is an upper bound on exposed communication.
+
+    Args:
+        groups: The model's FSDP groups (e.g. `load_preset(name).groups`).
+        shard_size: W, ranks in each FSDP (shard) group.
+        replicate_size: R, replicas (HSDP); R x W ranks in all.
+        param_bytes: Bytes per stored parameter element (4: fp32).
+        grad_bytes: Bytes per gradient element (also the reduce dtype).
+        compute_bytes: Bytes per gathered element (2 for bf16 mixed precision); default
+            param_bytes.
+        optimizer: "adamw", "adamw8bit" (needs block_rows a multiple of 32), "muon" or "sgd".
+        block_rows: Rows no shard boundary may cut.
+        align_bytes: Each shard starts at a multiple of this many bytes.
+        ranks_per_node: Ranks sharing a node's fast links.
+        intra_node_gbps: Per-rank bandwidth inside a node, GB/s.
+        inter_node_gbps: Per-rank bandwidth between nodes, GB/s.
+        latency_us: Fixed cost of one collective, microseconds.
+
+    Returns:
+        The Estimate.
+
+    Example:
+        >>> from shard_planner import load_preset
+        >>> est = estimate(load_preset("llama3-8b").groups, shard_size=8)
+        >>> round(est.param_bytes / 2**30, 2), f"{est.padding_ratio:.4%}"
+        (3.74, '0.0102%')
+    """
+    shard_size = check_count("shard_size", shard_size, 1)
+    replicate_size = check_count("replicate_size", replicate_size, 1)
+    param_bytes = _check_bytes("param_bytes", param_bytes)
+    grad_bytes = _check_bytes("grad_bytes", grad_bytes)
+    compute = param_bytes if compute_bytes is None else _check_bytes("compute_bytes", compute_bytes)
+    block_rows = check_count("block_rows", block_rows, 1)
+    ranks_per_node = check_count("ranks_per_node", ranks_per_node, 1)
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
+    if optimizer == "adamw8bit" and block_rows % QUANT_BLOCK:
+        raise ValueError(
+            f"optimizer 'adamw8bit' needs shards cut between {QUANT_BLOCK}-row blocks: "
+            f"block_rows must be a multiple of {QUANT_BLOCK}, got {block_rows}"
+        )
+    links: tuple[tuple[str, object], ...] = (
+        ("intra_node_gbps", intra_node_gbps),
+        ("inter_node_gbps", inter_node_gbps),
+    )
+    for name, value in links:
+        if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+            raise ValueError(f"{name} must be a number > 0, got {value!r}")
+    latency: object = latency_us  # user input: check what came
+    if not isinstance(latency, int | float) or not latency >= 0:
+        raise ValueError(f"latency_us must be a number >= 0, got {latency_us!r}")
+    if align_bytes % param_bytes:
+        raise ValueError(f"align_bytes {align_bytes} is not a multiple of param_bytes")
+    groups = tuple(groups)
+    if not groups:
+        raise ValueError("groups is empty: give the model's FSDP groups")
+
+    layouts: dict[tuple[object, ...], tuple[Layout, list[int]]] = {}
+    shard_sizes, optimizer_by_rank = [], [0] * shard_size
+    for group in groups:
+        specs = group.specs(block_rows)
+        # Repeated layers differ only in their name prefix: plan each distinct group once.
+        prefix = len(group.name) + 1
+        key = tuple((s.numel, s.block, s.shape, s.name[prefix:]) for s in specs)
+        if key not in layouts:  # repeated layers plan once
+            layout = plan_layout(specs, shard_size, align=align_bytes // param_bytes)
+            layouts[key] = (layout, _optimizer_per_rank(layout, optimizer, param_bytes))
+        layout, per_rank = layouts[key]
+        shard_sizes.append(layout.shard_size)
+        optimizer_by_rank = [a + b for a, b in zip(optimizer_by_rank, per_rank, strict=True)]
+
+    w, r = shard_size, replicate_size
+    total = sum(shard_sizes)
+    numel = sum(g.numel for g in groups)
+    pairs = [a + b for a, b in itertools.pairwise(shard_sizes)] or shard_sizes
+    shard_gbps = _link_gbps(w, ranks_per_node, intra_node_gbps, inter_node_gbps)
+    replica_span = w * (r - 1) + 1  # from the first to the last rank of a replica group
+    replica_gbps = _link_gbps(replica_span, ranks_per_node, intra_node_gbps, inter_node_gbps)
+    latency_s = latency_us * 1e-6
+    time = 0.0
+    for s in shard_sizes:
+        if w > 1:
+            time += 2 * (latency_s + (w - 1) * s * compute / (shard_gbps * 1e9))
+            time += latency_s + (w - 1) * s * grad_bytes / (shard_gbps * 1e9)
+        if r > 1:
+            time += latency_s + 2 * (r - 1) / r * s * grad_bytes / (replica_gbps * 1e9)
+    return Estimate(
+        shard_size=w,
+        replicate_size=r,
+        param_bytes=total * param_bytes,
+        grad_bytes=total * grad_bytes,
+        optimizer_bytes=max(optimizer_by_rank),
+        optimizer_bytes_by_rank=tuple(optimizer_by_rank),
+        unsharded_bytes=w * max(shard_sizes) * compute,
+        prefetch_unsharded_bytes=w * max(pairs) * compute,
+        reduce_scatter_input_bytes=w * max(shard_sizes) * grad_bytes,
+        all_gather_bytes=2 * (w - 1) * total * compute,
+        reduce_scatter_bytes=(w - 1) * total * grad_bytes,
+        all_reduce_bytes=total * grad_bytes if r > 1 else 0,
+        padding_elements=w * total - numel,
+        padding_bytes=(w * total - numel) * param_bytes,
+        numel=numel,
+        comm_time_s=time,
+    )
