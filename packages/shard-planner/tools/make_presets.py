@@ -62,8 +62,12 @@ def llama3(name: str, source: str, cfg: dict[str, Any]) -> dict[str, Any]:
     return decoder(name, source, cfg, layer)
 
 
-def deepseek_v3() -> dict[str, Any]:
-    cfg = {
+def deepseek_v3(
+    name: str = "deepseek-v3-671b",
+    source: str = "deepseek-ai/DeepSeek-V3 config.json (per-expert tensors)",
+    **changes: Any,
+) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
         "vocab_size": 129280,
         "hidden_size": 7168,
         "num_hidden_layers": 61,
@@ -81,6 +85,7 @@ def deepseek_v3() -> dict[str, Any]:
         "tie_word_embeddings": False,
         "note": "the multi-token-prediction module (num_nextn_predict_layers=1) is not included",
     }
+    cfg.update(changes)
     h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     q_rank, kv_rank = cfg["q_lora_rank"], cfg["kv_lora_rank"]
     nope, rope, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
@@ -128,12 +133,7 @@ def deepseek_v3() -> dict[str, Any]:
         },
         final,
     ]
-    return {
-        "name": "deepseek-v3-671b",
-        "source": "deepseek-ai/DeepSeek-V3 config.json (per-expert tensors)",
-        "config": cfg,
-        "groups": groups,
-    }
+    return {"name": name, "source": source, "config": cfg, "groups": groups}
 
 
 def gpt_oss_120b() -> dict[str, Any]:
@@ -278,6 +278,15 @@ def main() -> None:
         deepseek_v3(),
         gpt_oss_120b(),
         qwen3_30b_a3b(),
+        # Not a released model: a scale test for the planner, about 2.4 trillion parameters.
+        deepseek_v3(
+            "synthetic-moe-2.4t",
+            "synthetic: DeepSeek-V3's block with 1,024 routed experts per MoE layer, 56 layers",
+            n_routed_experts=1024,
+            num_hidden_layers=56,
+            note="not a released model: DeepSeek-V3's layer shapes with 4x the experts and "
+            "3 dense + 53 MoE layers (no multi-token-prediction module)",
+        ),
     ]
     OUT.mkdir(parents=True, exist_ok=True)
     for preset in presets:
