@@ -230,3 +230,15 @@ def test_advise_says_when_nothing_fits(capsys) -> None:
     argv = ["advise", "--preset", "deepseek-v3-671b", "--ranks", "1024", "--memory-gb", "80"]
     assert main(argv) == 0
     assert "no split fits in 80.0 GiB per rank" in capsys.readouterr().out
+
+
+def test_advise_plot_needs_matplotlib_or_draws(tmp_path, capsys) -> None:
+    out = tmp_path / "a.png"
+    argv = ["advise", "--preset", "llama3-8b", "--ranks", "64", "--memory-gb", "80"]
+    code = main([*argv, "--plot", str(out)])
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert code == 2 and "pip install 'shard-planner[plot]'" in capsys.readouterr().err
+    else:
+        assert code == 0 and out.stat().st_size > 1000
