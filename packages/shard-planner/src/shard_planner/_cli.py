@@ -238,7 +238,7 @@ def _cmd_advise(args: argparse.Namespace) -> None:
         print(f"wrote {args.json}")
     if args.plot:
         title = f"{model.name}, {args.ranks} ranks, {args.block_rows} rows per block"
-        _write(args.plot, lambda path: plot_candidates(candidates, path, title))
+        _write(args.plot, lambda path: plot_candidates(candidates, path, title, memory))
         print(f"wrote {args.plot}")
 
 

@@ -79,8 +79,10 @@ def to_json(candidates: Sequence[Candidate]) -> str:
     return json.dumps(out, indent=1)
 
 
-def plot_candidates(candidates: Sequence[Candidate], path: str, title: str) -> None:
-    """Padding and memory per rank against the shard size (needs matplotlib)."""
+def plot_candidates(
+    candidates: Sequence[Candidate], path: str, title: str, memory_bytes: int | None = None
+) -> None:
+    """Padding and memory per rank against the shard size, with the budget (needs matplotlib)."""
     from shard_planner._report import _pyplot
 
     plt = _pyplot()
@@ -93,7 +95,11 @@ def plot_candidates(candidates: Sequence[Candidate], path: str, title: str) -> N
     left.set_ylabel("padding, % of parameters", color="tab:red")
     right = left.twinx()
     right.plot(sizes, [c.memory_bytes / _GIB for c in ordered], "s--", color="tab:blue")
-    right.set_ylabel("peak memory per rank, GiB", color="tab:blue")
+    right.set_yscale("log")
+    right.set_ylabel("peak memory per rank, GiB (log)", color="tab:blue")
+    if memory_bytes is not None:
+        right.axhline(memory_bytes / _GIB, color="tab:blue", linewidth=0.8, linestyle=":")
+        right.annotate("memory per rank", (sizes[0], memory_bytes / _GIB), color="tab:blue")
     left.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
