@@ -288,3 +288,38 @@ def check_doctests() -> dict[str, Any]:
     from doctest_support import run_doctests
 
     return run_doctests("ragged_optimizers", _doctest_globs)
+
+
+def check_muon_posts_every_bucket_before_orthogonalizing() -> int:
+    """All inbound all-to-alls are in flight before the first Newton-Schulz runs."""
+    import ragged_optimizers._muon as muon
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    full = _full_tensors(MUON_SHAPES, 0)
+    params = [
+        torch.nn.Parameter(distribute_tensor(t, mesh, _placements(n, t.shape, world, "ragged")))
+        for n, t in full.items()
+    ]
+    opt = Muon(params, bucket_bytes=256)  # one bucket per matrix
+    for p in params:
+        p.grad = distribute_tensor(torch.ones(p.shape), mesh, p.placements)
+    seen: list[int] = []
+    original = muon.newton_schulz
+
+    with CommCounter() as comms:
+
+        def recording(*args: Any, **kwargs: Any) -> torch.Tensor:
+            seen.append(comms.counts()["all_to_all"])
+            return original(*args, **kwargs)
+
+        muon.newton_schulz = recording  # type: ignore[assignment]
+        try:
+            opt.step()
+        finally:
+            muon.newton_schulz = original
+    num_buckets = len(MUON_SHAPES)
+    assert comms.counts()["all_to_all"] == 2 * num_buckets  # in and back, per bucket
+    if seen:  # this rank owns something: by its first NS every inbound exchange was posted
+        assert seen[0] >= num_buckets, seen
+    return len(seen)

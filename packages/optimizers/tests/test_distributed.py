@@ -13,6 +13,11 @@ def test_muon_matches_single_process_bitwise(pools, world) -> None:
             pools[world].run(cases.check_muon_matches_single_process, kind, bucket_bytes)
 
 
+def test_muon_posts_every_bucket_before_orthogonalizing(pools) -> None:
+    owned = pools[3].run(cases.check_muon_posts_every_bucket_before_orthogonalizing)
+    assert sum(owned) == len(cases.MUON_SHAPES)  # every matrix orthogonalized once
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_muon_gradient_on_some_ranks_only_raises(pools, world) -> None:
     pools[world].run(cases.check_muon_grad_disagreement_raises)
