@@ -7,4 +7,9 @@ import pytest
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_optimizers_on_engine_parameters_match_one_process(pools, world) -> None:
     for optimizer in ("adamw8bit", "muon"):
-        pools[world].run(cases.check_engine_training, optimizer)
+        result = pools[world].run(cases.check_engine_training, optimizer)[0]
+        gap = max(abs(a - b) for a, b in zip(result["losses"], result["one_process"], strict=True))
+        print(
+            f"W={world} {optimizer}: loss {result['losses'][0]:.3f} -> "
+            f"{result['losses'][-1]:.3f}, max gap to one process {gap:.1e}"
+        )
