@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 
 def live_tensor_bytes() -> int:
@@ -39,33 +39,50 @@ def live_tensor_bytes() -> int:
     return sum(storages.values())
 
 
-def peak_live_bytes(fn: Callable[[], object], *, include_live: bool = False) -> int:
+def peak_live_bytes(
+    fn: Callable[[], object],
+    *,
+    include_live: bool = False,
+    lead_in: Callable[[], object] | None = None,
+) -> int:
     """Peak bytes of tensors allocated (and still live) while `fn` runs, from the profiler.
 
     The torch profiler records every CPU allocation and free ("[memory]" events); the running
-    sum of their sizes, in time order, peaks at the most memory `fn` held at once beyond what
-    was live when it started.
+    sum of their sizes, in time order, peaks at the most memory held at once beyond what was
+    live when profiling started. It cannot size the free of a block allocated before it
+    started (it logs "Memory block of unknown size was allocated before the profiling
+    started" and drops the event), so an engine that frees, during `fn`, what it allocated in
+    the previous step would be charged for it. `lead_in` runs first under the same profiler,
+    outside the measured window: whatever it allocates and `fn` frees is then counted, and the
+    live bytes are taken when the window opens.
 
     Args:
         fn: The work to measure.
-        include_live: Add the bytes live at the start (`live_tensor_bytes()`), so that the
-            result is the absolute peak: an engine that keeps buffers across steps (FSDP2
-            keeps its last reduce-scatter input) and frees them inside `fn` is not flattered.
+        include_live: Add the bytes live when `fn` starts (`live_tensor_bytes()`), so that
+            the result is the absolute peak.
+        lead_in: Work to run (profiled, not measured) just before `fn`, e.g. the previous
+            step, so that `fn`'s frees of its allocations are seen.
 
     Returns:
         The peak, in bytes.
     """
-    start = live_tensor_bytes() if include_live else 0
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    # Each allocation and free is a "[memory]" event with its size (negative for frees).
+        if lead_in is not None:
+            lead_in()
+        start = live_tensor_bytes() if include_live else 0
+        with record_function("peak_live_bytes::window"):
+            fn()
     assert prof.profiler is not None
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    events.sort(key=lambda e: e.start_ns())
-    live = peak = 0
-    for event in events:
-        live += event.nbytes()
-        peak = max(peak, live)
+    events = list(prof.profiler.kineto_results.events())
+    (window,) = [e for e in events if e.name() == "peak_live_bytes::window"]
+    begin, end = window.start_ns(), window.start_ns() + window.duration_ns()
+    # Each allocation and free is a "[memory]" event with its size (negative for frees).
+    memory = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    live = peak = 0  # beyond what was live when the window opened
+    for event in memory:
+        if begin <= event.start_ns() <= end:
+            live += event.nbytes()
+            peak = max(peak, live)
     return start + peak
 
 

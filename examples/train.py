@@ -312,11 +312,21 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         dist.all_reduce(value)
         return value.item() / world
 
+    def lead_in(step: int) -> None:
+        # Gradients computed and dropped (the step itself computes them again): what the
+        # engine allocates for them, and frees in the measured step, is then counted.
+        batch = text.batch("train", args.seed, step, args.global_batch, args.seq_len)
+        mine = batch[rank * per_rank : (rank + 1) * per_rank].to(device)
+        loss_fn(model(mine), mine).backward()
+        opt.zero_grad()
+
     bar = _progress(rank, start, args.steps)
     for step in range(start, args.steps):
         measure: Callable[[Callable[[], object]], Any] | None = None
         if step - start == MEASURE_STEPS[0]:
-            measure = functools.partial(peak_live_bytes, include_live=True)
+            measure = functools.partial(
+                peak_live_bytes, include_live=True, lead_in=functools.partial(lead_in, step)
+            )
         elif step - start == MEASURE_STEPS[1]:
             measure = engine_copies
         t0 = time.perf_counter()
