@@ -219,6 +219,11 @@ class FSDPState:
         group, context = self.group, self.context
         assert context is not None
         with record_function(f"FSDP::post_backward({group.label})"):
+            if group.settings.requires_gradient_sync:
+                # Finish the reduces in flight before this group's gradient buffer is filled,
+                # so that their buffers are freed first: one group's gradients at a time.
+                while len(context.reducing) >= context.max_reduces_in_flight:
+                    context.reducing.pop(0).group.wait_for_reduce()  # type: ignore[union-attr]
             group.collect_gradients()
             if self.reshard_after_backward:
                 group.reshard()
