@@ -89,3 +89,13 @@ def test_block_row_aligned_pieces_quantize_to_slices(rows, cols, cut, signed) ->
             piece_codes, piece_scales = quantize(x[piece], (32, 32), signed=signed)
             assert torch.equal(piece_scales, scales[grid])
             assert torch.equal(piece_codes, codes[piece])
+
+
+def test_bad_input() -> None:
+    codes, scales = quantize(torch.randn(40, 40), (32, 32), signed=True)
+    with pytest.raises(ValueError, match="2-D uint8 codes"):
+        dequantize(codes.float(), scales, (32, 32), signed=True)
+    with pytest.raises(ValueError, match=r"expected \(2, 2\)"):
+        dequantize(codes, scales[:1], (32, 32), signed=True)
+    with pytest.raises(ValueError, match="2-D tensor"):
+        quantize(torch.zeros(4), (32, 32), signed=True)

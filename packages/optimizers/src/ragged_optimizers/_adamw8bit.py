@@ -20,6 +20,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate
 from torch.optim import Optimizer
 
 from ragged_optimizers._adamw import adamw_step, check_betas, check_nonnegative
+from ragged_optimizers._closure import closure_loss
 from ragged_optimizers._layout import Layout, layout_of, local_flat
 from ragged_optimizers._quantize import dequantize, quantize
 from ragged_placement import RaggedShard
@@ -133,10 +134,7 @@ class AdamW8bit(Optimizer):
         Returns:
             The closure's loss, or None.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             for param in group["params"]:
                 if param.grad is not None:
@@ -209,7 +207,7 @@ class AdamW8bit(Optimizer):
                 state[key] = layout.wrap(torch.zeros_like(local, dtype=torch.float32), param)
             return state
         block = group["block_size"]
-        rows = [_block_rows(layout, block, "")[r] for r in range(layout.num_ranks)]
+        rows = _block_rows(layout, block, "")
         grid_cols = -(-layout.shape[1] // block[1])
         lo, hi = rows[layout.rank]
         for key in ("exp_avg", "exp_avg_sq"):

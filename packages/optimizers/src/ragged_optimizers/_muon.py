@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from ragged_optimizers._adamw import adamw_step, check_betas, check_nonnegative
+from ragged_optimizers._closure import closure_loss
 from ragged_optimizers._layout import Layout, layout_of, local_flat
 from ragged_optimizers._newton_schulz import newton_schulz, resolve_coefficients
 from ragged_optimizers._owner_plan import MatrixAssignment, plan_owners
@@ -243,10 +244,7 @@ class Muon(Optimizer):
         Returns:
             The closure's loss, or None.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         items: list[_Item] = []
         for group in self.param_groups:
             if not group["use_muon"]:

@@ -151,6 +151,16 @@ def dequantize(
         ...            signed=False)
         tensor([[2.]])
     """
+    if codes.dtype != torch.uint8 or codes.ndim != 2:
+        raise ValueError(
+            f"dequantize takes 2-D uint8 codes, got {codes.dtype} of shape {tuple(codes.shape)}"
+        )
+    grid = (-(-codes.shape[0] // block[0]), -(-codes.shape[1] // block[1]))
+    if tuple(scales.shape) != grid:
+        raise ValueError(
+            f"scales of shape {tuple(scales.shape)} do not match codes of shape "
+            f"{tuple(codes.shape)} in blocks of {block}: expected {grid}"
+        )
     table = dynamic_map(signed).to(codes.device)
     values = table.index_select(0, codes.reshape(-1).int()).view(codes.shape)
     blocks = _blocked(values, block) * scales[:, None, :, None]
