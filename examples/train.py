@@ -320,6 +320,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         loss_fn(model(mine), mine).backward()
         opt.zero_grad()
 
+    every_step_s: list[float] = []  # also the warm-up and profiled steps
     bar = _progress(rank, start, args.steps)
     for step in range(start, args.steps):
         measure: Callable[[Callable[[], object]], Any] | None = None
@@ -344,6 +345,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             )
         elapsed = torch.tensor(time.perf_counter() - t0, device=device)  # NCCL: on the GPU
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+        every_step_s.append(elapsed.item())
         if measure is None and step - start > 1:  # the first steps warm up
             record["step_s"].append(elapsed.item())
         record["train"].append((step + 1, loss))
@@ -362,7 +364,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         args.checkpoint.mkdir(parents=True, exist_ok=True)
         save(args.checkpoint, model, opt, args.steps)
     record["sample"] = sample(model, text, args.sample_chars, device, args.seq_len)
-    step_s = statistics.median(record["step_s"]) if record["step_s"] else float("nan")
+    # Too short a run for steady-state timings (warm-up and profiled steps excluded): time
+    # every step instead, and say so.
+    record["timed_every_step"] = not record["step_s"]
+    step_s = statistics.median(record["step_s"] or every_step_s or [float("inf")])
     record.update(
         world=world,
         tokens_per_s=tokens_per_step / step_s,
@@ -407,6 +412,7 @@ def run(args: argparse.Namespace) -> None:
             f"final train loss {record['train'][-1][1]:.4f}, val loss {final_val:.4f} "
             f"(unigram entropy {record['unigram_entropy']:.4f}), "
             f"{record['median_step_s'] * 1e3:.0f} ms/step, {record['tokens_per_s']:,.0f} tok/s"
+            + (" (short run: warm-up steps included)" if record["timed_every_step"] else "")
         )
         print(f"--- sample ({args.engine}) ---\n{record['sample']}\n---")
 

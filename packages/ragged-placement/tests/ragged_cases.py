@@ -17,7 +17,7 @@ from rank_pool import expect_error
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from ragged_placement import CommCounter, RaggedShard, flat_range, local_view
+from ragged_placement import CommCounter, RaggedShard, flat_range, local_view, with_local
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -401,6 +401,26 @@ def check_hsdp(shape: tuple[int, ...], units: tuple[int, int]) -> None:
 
 
 # -- bad input -------------------------------------------------------------------------------
+
+
+def check_with_local(shape: tuple[int, ...], units: tuple[int, ...]) -> None:
+    """with_local over new memory == from_local of the same piece, and its full tensor."""
+    mesh = _mesh()
+    full = _full(shape)
+    placement = RaggedShard((0,), units)
+    dt = distribute_tensor(full, mesh, [placement])
+    lo, hi = flat_range(dt)
+    doubled = (2 * full).reshape(-1)[lo:hi].clone()
+    made = with_local(dt, doubled)
+    assert made.placements == dt.placements and made.shape == dt.shape
+    assert made.stride() == dt.stride() and not made.requires_grad
+    assert made.to_local().data_ptr() == doubled.data_ptr()  # a view, no copy
+    assert torch.equal(made.full_tensor(), 2 * full)
+    assert torch.equal((made + dt).full_tensor(), 3 * full)  # ops see the same spec
+    expect_error(ValueError, lambda: with_local(dt, doubled.double()), "float64")
+    expect_error(ValueError, lambda: with_local(dt, torch.zeros(hi - lo + 1)), "got (")
+    expect_error(TypeError, lambda: with_local(full, doubled), "expected a DTensor")  # type: ignore[arg-type]
+    expect_error(TypeError, lambda: with_local(dt, dt), "plain tensor")
 
 
 def check_bad_input() -> None:

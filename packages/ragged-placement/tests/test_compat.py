@@ -156,3 +156,54 @@ def test_exit_waits_for_gloo_worker_threads(tmp_path) -> None:
         """
     )
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
+
+
+def test_ragged_sharding_decisions_are_cached_per_schema(tmp_path) -> None:
+    # Every path into the Python propagator (torch's own `propagate`, the dispatcher's slow
+    # path) reuses a decision: fake-tensor propagation runs once per distinct schema, not per
+    # call. Values that are not part of the schema (an alpha) do not change the decision;
+    # another shape does.
+    result = _python(
+        f"""
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor, distribute_tensor
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+        import ragged_placement
+        from ragged_placement import RaggedShard
+
+        dist.init_process_group("gloo", init_method="file://{tmp_path}/rdv", rank=0, world_size=1)
+        mesh = dist.device_mesh.init_device_mesh("cpu", (1,))
+        metas = []
+        original = ShardingPropagator._propagate_tensor_meta_non_cached
+        def counted(self, schema):
+            metas.append(schema.op)
+            return original(self, schema)
+        ShardingPropagator._propagate_tensor_meta_non_cached = counted
+
+        def ragged(*shape):
+            return distribute_tensor(torch.ones(shape), mesh, [RaggedShard((0,), (1,))])
+
+        dispatcher = DTensor._op_dispatcher
+        params, grads = [ragged(4, 3), ragged(5)], [ragged(4, 3), ragged(5)]
+        op = torch.ops.aten._foreach_add_.List
+        for alpha in (1.0, 2.0, 3.0):
+            info = dispatcher.unwrap_to_op_info(op, (params, grads), {{"alpha": alpha}})
+            dispatcher.sharding_propagator.propagate(info)
+            assert info.output_sharding is not None
+            sharding = dispatcher._propagate_op_sharding_dispatch_slow_path(
+                op, (params, grads), {{"alpha": alpha}}, info, True
+            )
+            assert sharding is info.output_sharding
+        assert metas == [op], metas
+        other = dispatcher.unwrap_to_op_info(op, ([ragged(2, 3)], [ragged(2, 3)]), {{}})
+        dispatcher.sharding_propagator.propagate(other)
+        assert metas == [op, op], metas
+        torch._foreach_add_(params, grads, alpha=2.0)  # the cached decision computes right
+        assert torch.equal(params[0].full_tensor(), torch.full((4, 3), 3.0))
+        dist.destroy_process_group()
+        print("ok")
+        """
+    )
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]

@@ -29,6 +29,12 @@ def test_distribute_from_local_full_tensor(pools, world) -> None:
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
+def test_with_local_reuses_the_spec_over_new_memory(pools, world) -> None:
+    for units in UNITS[world]:
+        pools[world].run(cases.check_with_local, (2 * sum(units), 3), units)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
 def test_full_tensor_receives_only_missing_elements(pools, world) -> None:
     units = UNITS[world][-1 if world > 1 else 0]
     results = pools[world].run(

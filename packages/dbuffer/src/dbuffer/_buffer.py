@@ -46,7 +46,7 @@ from dbuffer._freeable import FreeableBuffer
 from dbuffer._grad_buffer import FullGradBuffer
 from dbuffer._handle import Handle
 from dbuffer._streams import current_stream, free_storage, record_event
-from ragged_placement import RaggedShard
+from ragged_placement import RaggedShard, with_local
 from shard_planner import Layout, TensorSpec, plan_layout
 
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}
@@ -150,13 +150,20 @@ class DBuffer:
         placements[self.shard_dim] = RaggedShard(dims, self.layout.local_units(name))
         return placements
 
-    def _make_sharded(self, name: str, storage: torch.Tensor) -> DTensor:
+    def _piece(self, name: str, storage: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of `name` in `storage` (`local` or `local_grad`)."""
+        if self.layout.spec(name).numel == 0:
+            return storage[0:0].view(self._shapes[name])
         lo, hi = self.layout.local_range(name, self._rank)
-        shape = self._shapes[name]
+        return storage[lo:hi]
+
+    def _make_sharded(self, name: str, storage: torch.Tensor) -> DTensor:
+        piece = self._piece(name, storage)
         if self.layout.spec(name).numel == 0:  # nothing to shard: an empty replicated view
-            replicated = [Replicate()] * self.mesh.ndim
-            return DTensor.from_local(storage[0:0].view(shape), self.mesh, replicated)
-        return DTensor.from_local(storage[lo:hi], self.mesh, self._placements(name), shape=shape)
+            return DTensor.from_local(piece, self.mesh, [Replicate()] * self.mesh.ndim)
+        return DTensor.from_local(
+            piece, self.mesh, self._placements(name), shape=self._shapes[name]
+        )
 
     def sharded(self, name: str) -> DTensor:
         """Tensor `name` as a RaggedShard DTensor whose local tensor is a view of `local`."""
@@ -168,7 +175,10 @@ class DBuffer:
         self._check_name(name)
         view = self._sharded_grads.get(name)
         if view is None:
-            view = self._sharded_grads[name] = self._make_sharded(name, self.local_grad)
+            # The parameter's spec over the gradient's piece: a DTensor per parameter per
+            # step, so built without from_local's checks (they hold for `local` already).
+            piece = self._piece(name, self.local_grad)
+            view = self._sharded_grads[name] = with_local(self._sharded[name], piece)
         return view
 
     @property

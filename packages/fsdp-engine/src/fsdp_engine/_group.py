@@ -281,11 +281,21 @@ def used_anywhere(groups: list[ParamGroup]) -> list[list[bool]]:
     if not groups:
         return flags
     mesh = groups[0].mesh
+    axes = [axis for axis in range(mesh.ndim) if mesh.size(axis) > 1]
+    if not axes:
+        return flags
     device = groups[0].params[0].buffer.device
-    flat = torch.tensor([f for group in flags for f in group], dtype=torch.int32, device=device)
-    for axis in range(mesh.ndim):
-        if mesh.size(axis) > 1:
-            dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=mesh.get_group(axis))
+    mine = [f for group in flags for f in group]
+    if all(mine):
+        # Used here, so used somewhere: this rank only takes part in the all-reduce. Reading
+        # the result would make the host wait for the device at every step.
+        flat = torch.ones(len(mine), dtype=torch.int32, device=device)
+    else:
+        flat = torch.tensor(mine, dtype=torch.int32, device=device)
+    for axis in axes:
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=mesh.get_group(axis))
+    if all(mine):
+        return flags
     values = iter(flat.tolist())
     return [[bool(next(values)) for _ in group] for group in flags]
 

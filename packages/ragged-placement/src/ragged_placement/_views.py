@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from ragged_placement._compat import spec_of
+from ragged_placement._compat import local_of, make_dtensor, spec_of
 from ragged_placement._placement import RaggedShard, StridedRaggedShard
 from ragged_placement._redistribute import block_shape, strided_axes
 
@@ -57,3 +57,40 @@ def local_view(dt: DTensor) -> torch.Tensor:
         return dt.to_local().view(-1, *dt.shape[1:])
     shape = block_shape(spec_of(dt), axis)
     return dt.to_local().view(-1, *shape[len(placement.dims) :])
+
+
+def with_local(dt: DTensor, local: torch.Tensor) -> DTensor:
+    """A DTensor like `dt` (mesh, placements, global shape) whose local tensor is `local`.
+
+    For building many DTensors of a known layout over new memory (an optimizer's state, a
+    reduced gradient): no collective and no re-validation of the placements, which makes it
+    ~20x cheaper than `DTensor.from_local`. Not tracked by autograd.
+
+    Args:
+        dt: A DTensor whose spec to reuse (any placements, RaggedShard or not).
+        local: This rank's piece: the same shape and dtype as `dt.to_local()`.
+
+    Returns:
+        A DTensor over `local` (no copy).
+
+    Raises:
+        TypeError: `dt` is not a DTensor or `local` not a plain tensor.
+        ValueError: `local`'s shape or dtype differs from `dt`'s local tensor.
+
+    Example:
+        >>> grad = with_local(dt, torch.zeros_like(dt.to_local()))
+        >>> grad.placements == dt.placements, grad.shape == dt.shape
+        (True, True)
+    """
+    if not isinstance(dt, DTensor):
+        raise TypeError(f"with_local: expected a DTensor, got {type(dt).__name__}")
+    value: object = local  # callers may pass anything; check before use
+    if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+        raise TypeError(f"with_local: local must be a plain tensor, got {type(value).__name__}")
+    mine = local_of(dt)
+    if local.shape != mine.shape or local.dtype != mine.dtype:
+        raise ValueError(
+            f"with_local: local must match the DTensor's local tensor ({tuple(mine.shape)}, "
+            f"{mine.dtype}), got ({tuple(local.shape)}, {local.dtype})"
+        )
+    return make_dtensor(local, spec_of(dt), requires_grad=False)
