@@ -77,6 +77,63 @@ def _padding_bytes(model: torch.nn.Module, engine: str, world: int) -> int:
     return total
 
 
+def _cpu_floor(
+    name: str, dtype: str, groups: list[Any], batch: int, seq: int
+) -> dict[str, float]:
+    """A lower bound on the step time of ANY engine that trains this model with gloo's
+    all-gather and reduce-scatter (as FSDP2 and ours do), on the cores of this machine.
+
+    Each rank needs the CPU time of the forward and backward alone (the unsharded model in the
+    compute dtype, nothing else) plus the CPU time that gloo spends, on all its threads, for
+    the step's collectives alone: per group an all-gather for forward, one more for backward
+    when it is resharded after forward (not the root), and a reduce-scatter in fp32 (sizes
+    from `groups`, our engine's sharding summary). The optimizer and all copies are left out,
+    so the bound is low. CPU seconds cannot exceed cores x wall time: step >= sum over ranks /
+    cores, and >= the slowest rank's compute (one thread).
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    cores = len(os.sched_getaffinity(0))
+    compute_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    torch.manual_seed(0)
+    plain = Decoder(MODELS[name]).to(compute_dtype)
+    gen = torch.Generator().manual_seed(100 + rank)
+
+    def forward_backward() -> None:
+        tokens = torch.randint(0, MODELS[name].vocab, (batch, seq), generator=gen)
+        loss_fn(plain(tokens), tokens).backward()
+        plain.zero_grad(set_to_none=True)
+
+    tensors = []  # `groups`: ours' sharding_summary, the root group first (module order)
+    for index, group in enumerate(groups):
+        shard = torch.zeros(group.shard_numel, dtype=compute_dtype)
+        full = torch.empty(group.shard_numel * world, dtype=compute_dtype)
+        grad = torch.ones(group.shard_numel * world, dtype=torch.float32)
+        out = torch.empty(group.shard_numel, dtype=torch.float32)
+        tensors.append((1 if index == 0 else 2, shard, full, grad, out))
+
+    def collectives() -> None:
+        for gathers, shard, full, grad, out in tensors:
+            for _ in range(gathers):
+                dist.all_gather_into_tensor(full, shard)
+            dist.reduce_scatter_tensor(out, grad)
+
+    def cpu_seconds(fn: Any) -> float:
+        samples = []
+        for _ in range(4):
+            dist.barrier()  # every rank runs it at once, as in a step
+            start = time.process_time()  # this process: every thread, gloo's included
+            fn()
+            samples.append(time.process_time() - start)
+        return statistics.median(samples[1:])
+
+    compute, comm = cpu_seconds(forward_backward), cpu_seconds(collectives)
+    totals = torch.tensor([compute + comm, compute])
+    dist.all_reduce(totals[:1], op=dist.ReduceOp.SUM)
+    dist.all_reduce(totals[1:], op=dist.ReduceOp.MAX)
+    floor = max(totals[0].item() / cores, totals[1].item())
+    return {"compute_cpu_s": compute, "comm_cpu_s": comm, "cores": cores, "floor_s": floor}
+
+
 def _case(name: str, dtype: str, steps: int, batch: int, seq: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -85,6 +142,9 @@ def _case(name: str, dtype: str, steps: int, batch: int, seq: int) -> dict[str, 
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (world,))
     engines = {e: _build(name, e, dtype, mesh) for e in ("ours", "fsdp2")}
+    from fsdp_engine import sharding_summary
+
+    groups = sharding_summary(engines["ours"][0])
     vocab = MODELS[name].vocab
     gen = torch.Generator().manual_seed(rank)
 
@@ -144,7 +204,9 @@ def _case(name: str, dtype: str, steps: int, batch: int, seq: int) -> dict[str, 
         result[engine]["peak_live_bytes"] = peak_live_bytes(
             lambda e=engine: step(e), include_live=True, lead_in=lambda e=engine: step(e)
         )
+    result["floor"] = _cpu_floor(name, dtype, groups, batch, seq)
     result["time_ratio"] = result["ours"]["median_step_s"] / result["fsdp2"]["median_step_s"]
+    result["floor_ratio"] = result["floor"]["floor_s"] / result["fsdp2"]["median_step_s"]
     result["peak_ratio"] = result["ours"]["peak_live_bytes"] / result["fsdp2"]["peak_live_bytes"]
     return result
 
@@ -179,6 +241,14 @@ def _print(r: dict[str, Any]) -> None:
         f"{theirs['copy_bytes'] / 1e6:.1f} MB | received {ours['wire_bytes_received'] / 1e6:.1f}"
         f" / {theirs['wire_bytes_received'] / 1e6:.1f} MB | padding {ours['padding_bytes']:,} /"
         f" {theirs['padding_bytes']:,} B",
+        flush=True,
+    )
+    floor = r["floor"]
+    print(
+        f"    floor for any engine on gloo's all-gather/reduce-scatter: "
+        f"{floor['floor_s'] * 1e3:7.1f} ms = {r['floor_ratio']:.3f}x FSDP2 (per rank: forward+"
+        f"backward {floor['compute_cpu_s'] * 1e3:.0f} + collectives "
+        f"{floor['comm_cpu_s'] * 1e3:.0f} CPU ms, {floor['cores']} cores)",
         flush=True,
     )
     for engine in ("ours", "fsdp2"):
