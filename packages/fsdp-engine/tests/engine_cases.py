@@ -664,7 +664,17 @@ def check_overlap() -> dict[str, int]:
             "FSDP::reduce_scatter(Block)", "FSDP::post_backward(Block)", "FSDP::wait_for_reduce"
         ),
     }
+    # Backward visits the groups in reverse post-forward order, and the root finishes forward
+    # last: its pre-backward prefetches the last block.
+    counts["root_prefetch"] = sum(
+        e.name == "FSDP::backward_prefetch(Block)"
+        and e.cpu_parent is not None
+        and e.cpu_parent.name.startswith("FSDP::pre_backward(")
+        and "Block" not in e.cpu_parent.name
+        for e in events
+    )
     assert counts["forward"] > 0 and counts["backward"] > 0, counts
+    assert counts["root_prefetch"] == 1, counts
     return counts
 
 

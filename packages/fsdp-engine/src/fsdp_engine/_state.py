@@ -42,7 +42,11 @@ class Context:
     """State shared by every FSDP state under one root."""
 
     states: list[FSDPState]
-    forward_order: list[FSDPState] = field(default_factory=list)
+    forward_order: list[FSDPState] = field(default_factory=list)  # by pre-forward
+    # By post-forward: backward runs the groups in its reverse. The root finishes forward
+    # last, so at the start of backward it prefetches the last block (pre-forward order
+    # would put it first, with nothing before it to prefetch).
+    post_forward_order: list[FSDPState] = field(default_factory=list)
     order_frozen: bool = False
     callback_queued: bool = False
     is_last_backward: bool = True
@@ -154,6 +158,9 @@ class FSDPState:
             return output  # a list group reshards after its last module
         self._modules_done = set()
         self.phase = Phase.IDLE
+        context = self.context
+        if context is not None and not context.order_frozen and self.group is not None:
+            context.post_forward_order.append(self)
         if self.group is not None and self.reshard_after_forward:
             with record_function(f"FSDP::post_forward({self.group.label})"):
                 self.group.reshard()
@@ -166,20 +173,14 @@ class FSDPState:
     def _forward_targets(self) -> list[FSDPState]:
         if self.forward_prefetch is not None:
             return self.forward_prefetch
-        return self._neighbour(+1)  # the next group in forward order
+        context = self.context
+        return _next_in(context.forward_order if context else [], self, +1, context)
 
     def _backward_targets(self) -> list[FSDPState]:
         if self.backward_prefetch is not None:
             return self.backward_prefetch
-        return self._neighbour(-1)  # backward runs the groups in reverse
-
-    def _neighbour(self, offset: int) -> list[FSDPState]:
-        """The group `offset` places away in the recorded forward order (none before it is)."""
         context = self.context
-        if context is None or not context.order_frozen or self not in context.forward_order:
-            return []
-        index = context.forward_order.index(self) + offset
-        return context.forward_order[index : index + 1] if index >= 0 else []
+        return _next_in(context.post_forward_order if context else [], self, -1, context)
 
     @staticmethod
     def _prefetch(targets: Sequence[FSDPState], when: str) -> None:
@@ -254,6 +255,16 @@ class FSDPState:
             for state in context.states:
                 state.reset()
             context.callback_queued = False
+
+
+def _next_in(
+    order: list[FSDPState], state: FSDPState, offset: int, context: Context | None
+) -> list[FSDPState]:
+    """The state `offset` places from `state` in a recorded order (none before it is)."""
+    if context is None or not context.order_frozen or state not in order:
+        return []
+    index = order.index(state) + offset
+    return order[index : index + 1] if index >= 0 else []
 
 
 def finish_reduces(candidates: list[ParamGroup]) -> None:
