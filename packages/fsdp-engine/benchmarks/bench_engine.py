@@ -77,9 +77,7 @@ def _padding_bytes(model: torch.nn.Module, engine: str, world: int) -> int:
     return total
 
 
-def _cpu_floor(
-    name: str, dtype: str, groups: list[Any], batch: int, seq: int
-) -> dict[str, float]:
+def _cpu_floor(name: str, dtype: str, groups: list[Any], batch: int, seq: int) -> dict[str, float]:
     """A lower bound on the step time of ANY engine that trains this model with gloo's
     all-gather and reduce-scatter (as FSDP2 and ours do), on the cores of this machine.
 
