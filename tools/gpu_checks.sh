@@ -13,6 +13,7 @@ export PYTHONPATH="${src#:}:examples"
 nvidia-smi -L
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
 timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests packages 2>&1 | tail -4
+echo "gpu tests: exit status ${PIPESTATUS[0]}"
 echo "== step phases, dense (one rank, bf16 params, default AdamW: foreach on CUDA)"
 timeout 120 python3 tools/step_phases.py --device cuda 2>&1 | grep -A2 "median"
 echo "== step phases, MoE 16 experts"
