@@ -419,6 +419,7 @@ def check_with_local(shape: tuple[int, ...], units: tuple[int, ...]) -> None:
     assert torch.equal((made + dt).full_tensor(), 3 * full)  # ops see the same spec
     expect_error(ValueError, lambda: with_local(dt, doubled.double()), "float64")
     expect_error(ValueError, lambda: with_local(dt, torch.zeros(hi - lo + 1)), "got (")
+    expect_error(ValueError, lambda: with_local(dt, doubled.to("meta")), "meta")
     expect_error(TypeError, lambda: with_local(full, doubled), "expected a DTensor")  # type: ignore[arg-type]
     expect_error(TypeError, lambda: with_local(dt, dt), "plain tensor")
 

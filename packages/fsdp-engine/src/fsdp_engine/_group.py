@@ -286,15 +286,16 @@ def used_anywhere(groups: list[ParamGroup]) -> list[list[bool]]:
         return flags
     device = groups[0].params[0].buffer.device
     mine = [f for group in flags for f in group]
-    if all(mine):
-        # Used here, so used somewhere: this rank only takes part in the all-reduce. Reading
-        # the result would make the host wait for the device at every step.
+    # Used here means used somewhere: then this rank only takes part in the all-reduce.
+    # Reading the result would make the host wait for the device at every step.
+    used_here = all(mine)
+    if used_here:
         flat = torch.ones(len(mine), dtype=torch.int32, device=device)
     else:
         flat = torch.tensor(mine, dtype=torch.int32, device=device)
     for axis in axes:
         dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=mesh.get_group(axis))
-    if all(mine):
+    if used_here:
         return flags
     values = iter(flat.tolist())
     return [[bool(next(values)) for _ in group] for group in flags]

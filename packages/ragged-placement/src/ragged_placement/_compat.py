@@ -456,12 +456,12 @@ def _install(hooks: Hooks) -> None:
     decided: dict[OpSchema, OutputSharding] = {}
 
     def ragged_sharding(propagator: ShardingPropagator, schema: OpSchema) -> OutputSharding:
-        if funcol._are_we_tracing():  # symbolic shapes do not hash
-            return hooks.propagate(schema, propagator._propagate_tensor_meta_non_cached)
-        sharding = decided.get(schema)
+        cacheable = not funcol._are_we_tracing()  # symbolic shapes do not hash
+        sharding = decided.get(schema) if cacheable else None
         if sharding is None:
             sharding = hooks.propagate(schema, propagator._propagate_tensor_meta_non_cached)
-            decided[schema] = sharding
+            if cacheable:
+                decided[schema] = sharding
         return sharding
 
     dispatcher = dtensor_dispatch.OpDispatcher

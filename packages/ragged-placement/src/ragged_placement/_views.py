@@ -68,14 +68,14 @@ def with_local(dt: DTensor, local: torch.Tensor) -> DTensor:
 
     Args:
         dt: A DTensor whose spec to reuse (any placements, RaggedShard or not).
-        local: This rank's piece: the same shape and dtype as `dt.to_local()`.
+        local: This rank's piece: the same shape, dtype and device as `dt.to_local()`.
 
     Returns:
         A DTensor over `local` (no copy).
 
     Raises:
         TypeError: `dt` is not a DTensor or `local` not a plain tensor.
-        ValueError: `local`'s shape or dtype differs from `dt`'s local tensor.
+        ValueError: `local`'s shape, dtype or device differs from `dt`'s local tensor.
 
     Example:
         >>> grad = with_local(dt, torch.zeros_like(dt.to_local()))
@@ -88,9 +88,10 @@ def with_local(dt: DTensor, local: torch.Tensor) -> DTensor:
     if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
         raise TypeError(f"with_local: local must be a plain tensor, got {type(value).__name__}")
     mine = local_of(dt)
-    if local.shape != mine.shape or local.dtype != mine.dtype:
+    if (local.shape, local.dtype, local.device) != (mine.shape, mine.dtype, mine.device):
         raise ValueError(
             f"with_local: local must match the DTensor's local tensor ({tuple(mine.shape)}, "
-            f"{mine.dtype}), got ({tuple(local.shape)}, {local.dtype})"
+            f"{mine.dtype}, {mine.device}), got ({tuple(local.shape)}, {local.dtype}, "
+            f"{local.device})"
         )
     return make_dtensor(local, spec_of(dt), requires_grad=False)
