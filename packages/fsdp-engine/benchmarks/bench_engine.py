@@ -43,7 +43,9 @@ MODELS = {
 }
 
 
-def _build(name: str, engine: str, dtype: str, mesh: Any) -> tuple[torch.nn.Module, Any]:
+def _build(
+    name: str, engine: str, dtype: str, mesh: Any, *, backward_prefetch: bool = True
+) -> tuple[torch.nn.Module, Any]:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     torch.manual_seed(0)
@@ -58,6 +60,9 @@ def _build(name: str, engine: str, dtype: str, mesh: Any) -> tuple[torch.nn.Modu
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    if engine == "ours" and not backward_prefetch:  # a diagnostic: --no-backward-prefetch
+        for module in (*model.layers, model):
+            module.set_modules_to_backward_prefetch([])  # type: ignore[operator]
     if engine == "fsdp2" and MODELS[name].num_experts:
         # Ranks route tokens to different experts; without this FSDP2's reduce-scatters
         # differ in size across ranks ("collective mismatch"). Ours needs no setting.
@@ -132,14 +137,19 @@ def _cpu_floor(name: str, dtype: str, groups: list[Any], batch: int, seq: int) -
     return {"compute_cpu_s": compute, "comm_cpu_s": comm, "cores": cores, "floor_s": floor}
 
 
-def _case(name: str, dtype: str, steps: int, batch: int, seq: int) -> dict[str, Any]:
+def _case(
+    name: str, dtype: str, steps: int, batch: int, seq: int, backward_prefetch: bool = True
+) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from ragged_placement import CommCounter
 
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (world,))
-    engines = {e: _build(name, e, dtype, mesh) for e in ("ours", "fsdp2")}
+    engines = {
+        e: _build(name, e, dtype, mesh, backward_prefetch=backward_prefetch)
+        for e in ("ours", "fsdp2")
+    }
     from fsdp_engine import sharding_summary
 
     groups = sharding_summary(engines["ours"][0])
@@ -193,7 +203,7 @@ def _case(name: str, dtype: str, steps: int, batch: int, seq: int) -> dict[str, 
         for other in [e for e in engines if e != engine]:
             del engines[other]
         if engine not in engines:
-            engines[engine] = _build(name, engine, dtype, mesh)
+            engines[engine] = _build(name, engine, dtype, mesh, backward_prefetch=backward_prefetch)
             step(engine)
             step(engine)
         gc.collect()
@@ -218,7 +228,9 @@ def _rank(rank: int, world: int, init: str, args: argparse.Namespace, out: Any) 
     results = []
     for name in args.models:
         for dtype in args.dtypes:
-            results.append(_case(name, dtype, args.steps, args.batch, args.seq))
+            results.append(
+                _case(name, dtype, args.steps, args.batch, args.seq, args.backward_prefetch)
+            )
             if rank == 0:
                 _print(results[-1])
     if rank == 0:
@@ -288,6 +300,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "build" / "bench")
+    parser.add_argument(
+        "--no-backward-prefetch",
+        dest="backward_prefetch",
+        action="store_false",
+        help="diagnostic: ours gathers each group in backward only when it is reached",
+    )
     args = parser.parse_args(argv)
     args.models = args.models.split(",")
     args.dtypes = args.dtypes.split(",")
