@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +24,7 @@ class Config:
     num_experts: int = 0  # 0: dense SwiGLU MLP; else a routed MoE of this many experts
     top_k: int = 2
     tie_embeddings: bool = False
+    fused_experts: bool = False  # one [num_experts, ...] parameter per projection
 
 
 class RMSNorm(nn.Module):
@@ -80,23 +83,66 @@ class SwiGLU(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class GroupedExperts(nn.Module):
+    """Every expert's SwiGLU in one [num_experts, ...] parameter per projection.
+
+    How Hugging Face transformers 5 and torchtitan hold MoE experts: three parameters per
+    block whatever the number of experts.
+    """
+
+    def __init__(self, dim: int, hidden: int, num_experts: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+
+    def __len__(self) -> int:
+        return self.w1.shape[0]
+
+    def split(self) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+        """One function per expert, over views of the fused weights.
+
+        One `unbind` per projection: its backward stacks the experts' gradients in one op
+        (indexing each expert apart would add a full-size gradient per expert).
+        """
+        w1, w3, w2 = self.w1.unbind(0), self.w3.unbind(0), self.w2.unbind(0)
+        return [functools.partial(_swiglu, *weights) for weights in zip(w1, w3, w2, strict=True)]
+
+
+def _swiglu(w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+
+
 class MoE(nn.Module):
-    """A router and separate expert modules (as many MoE codebases have them)."""
+    """A router and its experts: separate modules (as many MoE codebases have them) or fused."""
 
     def __init__(self, cfg: Config) -> None:
         super().__init__()
         self.top_k = cfg.top_k
         self.router = nn.Linear(cfg.dim, cfg.num_experts, bias=False)
-        self.experts = nn.ModuleList(
-            SwiGLU(cfg.dim, max(1, cfg.hidden // 4)) for _ in range(cfg.num_experts)
+        hidden = max(1, cfg.hidden // 4)
+        self.experts: nn.Module = (
+            GroupedExperts(cfg.dim, hidden, cfg.num_experts)
+            if cfg.fused_experts
+            else nn.ModuleList(SwiGLU(cfg.dim, hidden) for _ in range(cfg.num_experts))
         )
+        # Benchmarks set this to (tokens, top_k) expert indices: the routing then does not
+        # depend on the weights' values (a fake process group gathers no real weights).
+        self.forced_choice: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Sends each token to its top-k experts and sums their weighted outputs."""
         flat = x.reshape(-1, x.shape[-1])
-        weights, chosen = self.router(flat).softmax(-1).topk(self.top_k, dim=-1)
+        probs = self.router(flat).softmax(-1)
+        if self.forced_choice is None:
+            weights, chosen = probs.topk(self.top_k, dim=-1)
+        else:
+            chosen = self.forced_choice
+            weights = probs.gather(1, chosen)
         out = torch.zeros_like(flat)
-        for index, expert in enumerate(self.experts):
+        experts = self.experts
+        run = experts.split() if isinstance(experts, GroupedExperts) else list(experts)
+        for index, expert in enumerate(run):
             token, slot = (chosen == index).nonzero(as_tuple=True)
             if token.numel():
                 out.index_add_(0, token, expert(flat[token]) * weights[token, slot, None])

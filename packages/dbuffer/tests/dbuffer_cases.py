@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -160,6 +161,39 @@ def check_gradient_accumulation() -> None:
     buf.reduce_scatter(op="sum").wait()
     for name, expected in reference([1, 2], everything).items():
         torch.testing.assert_close(buf.sharded_grad(name).full_tensor(), expected)
+    # The same through accumulate_grads (one foreach copy, then one foreach add), with the
+    # gradients in bf16 (cast on the way in, as the engine's mixed precision does), some
+    # tensors copied and some added in one call, and a name given twice (added in order).
+    step_grads = [grads(1), grads(2)]
+    names = list(tensors)
+    buf.accumulate_grads(names[:2], [step_grads[0][n] for n in names[:2]])
+    buf.accumulate_grads(
+        names, [step_grads[0][n] if i >= 2 else step_grads[1][n] for i, n in enumerate(names)]
+    )
+    buf.accumulate_grads(
+        names[2:] * 2,
+        [step_grads[1][n] for n in names[2:]] + [torch.zeros(tensors[n].shape) for n in names[2:]],
+    )
+    buf.reduce_scatter(op="sum").wait()
+    by_name = buf.sharded_grads()
+    assert list(by_name) == names and all(by_name[n] is buf.sharded_grad(n) for n in names)
+    for name, expected in reference([1, 2], everything).items():
+        torch.testing.assert_close(by_name[name].full_tensor(), expected)
+    bf16 = {n: g.to(torch.bfloat16) for n, g in grads(4).items()}
+    buf.accumulate_grads(list(bf16), list(bf16.values()))
+    for name, g in bf16.items():
+        assert torch.equal(buf.full_grad(name), g.float())
+    expect_error(ValueError, lambda: buf.accumulate_grads(["w1"], []), "1 names but 0")
+    expect_error(KeyError, lambda: buf.accumulate_grads(["nope"], [torch.ones(1)]), "'nope'")
+    expect_error(ValueError, lambda: buf.accumulate_grads(names[:1], [torch.ones(1, 2)]), "(1, 2)")
+    expect_error(
+        TypeError,
+        lambda: buf.accumulate_grads(
+            names[:1], [torch.ones(tensors[names[0]].shape, dtype=torch.int32)]
+        ),
+        "floating point",
+    )
+    buf.reduce_scatter(op="sum").wait()
     # Next step: only some tensors get a gradient (and one by hand); the freed buffer comes
     # back uninitialized, so the rest and the padding must be zeroed before the reduce.
     written = {"w1", "s"}
@@ -249,12 +283,21 @@ class _OtherTensor(torch.Tensor):
     pass
 
 
-def check_freed_views_raise() -> None:
-    """Views of freed buffers raise a clear error when read and work again once re-allocated."""
+def check_freed_views_raise(how: str) -> None:
+    """With freed-memory checks on (`check_freed=True`, or `DBUFFER_CHECK_FREED=1`), views of
+    freed buffers raise a clear error when read and work again once re-allocated."""
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     tensors = dict(_tensors(world, "fp32", seed=6))
-    buf = DBuffer(list(tensors.items()), mesh, block_rows=2)
+    if how == "argument":
+        buf = DBuffer(list(tensors.items()), mesh, block_rows=2, check_freed=True)
+    else:
+        os.environ["DBUFFER_CHECK_FREED"] = "1"
+        try:
+            buf = DBuffer(list(tensors.items()), mesh, block_rows=2)
+        finally:
+            del os.environ["DBUFFER_CHECK_FREED"]
+    assert buf.check_freed
     buf.unshard().wait()
     w1 = buf.full("w1")
     derived = {"t()": w1.t(), "row": w1[1], "param": torch.nn.Parameter(w1)}
@@ -312,6 +355,44 @@ def check_freed_views_raise() -> None:
     buf.reduce_scatter(op="sum").wait()
     expect_error(RuntimeError, lambda: grad.sum(), "full gradient 'w1' is freed")
     assert buf.full_grad("w1") is grad and not grad.any()
+
+
+def check_freed_by_default() -> None:
+    """Without the checks (the default) views are plain tensors, and what stays checked is
+    `full()` and autograd's saved views: a backward that needs a freed view raises autograd's
+    version error (not a crash), and works once the memory is back."""
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    tensors = dict(_tensors(world, "fp32", seed=6))
+    assert "DBUFFER_CHECK_FREED" not in os.environ
+    buf = DBuffer(list(tensors.items()), mesh, block_rows=2)
+    assert not buf.check_freed
+    expect_error(TypeError, lambda: DBuffer(list(tensors.items()), mesh, check_freed=1), "bool")
+    buf.unshard().wait()
+    w1 = buf.full("w1")
+    assert type(w1) is torch.Tensor and type(buf.full_grad("w1")) is torch.Tensor
+    weight = torch.nn.Parameter(w1)
+    x = torch.ones(3, 8, requires_grad=True)
+    loss = torch.nn.functional.linear(x, weight).square().sum()
+    buf.reshard()
+    expect_error(RuntimeError, lambda: buf.full("w1"), "call unshard()")
+    expect_error(RuntimeError, lambda: loss.backward(retain_graph=True), "inplace operation")
+    # Gathered again (as the engine does before a group's backward): the saved view is valid.
+    buf.unshard().wait()
+    loss.backward()
+    reference = torch.nn.Parameter(tensors["w1"].clone())
+    x_ref = torch.ones(3, 8, requires_grad=True)
+    torch.nn.functional.linear(x_ref, reference).square().sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    torch.testing.assert_close(weight.grad, reference.grad)
+    # Frees and re-allocations of many steps leave the version where autograd saw it.
+    for _ in range(3):
+        buf.reshard()
+        buf.unshard().wait()
+    again = torch.nn.functional.linear(x, weight).sum()
+    buf.reshard()
+    buf.unshard().wait()
+    again.backward()
 
 
 def check_async_handles() -> None:
@@ -652,6 +733,7 @@ def _doctest_globs() -> dict[str, Any]:
         "w": w,
         "b": b,
         "grad_w": torch.ones_like(w),
+        "grad_b": torch.full_like(b, 2.0),
         "buf": DBuffer([("w", w), ("b", b)], mesh, block_rows={"w": 32}),
     }
 

@@ -33,7 +33,13 @@ def test_gradient_accumulation_and_lazy_zeroing(pools, world) -> None:
 
 @pytest.mark.parametrize("world", [1, 3])
 def test_freed_views_raise_and_come_back(pools, world) -> None:
-    pools[world].run(cases.check_freed_views_raise)
+    for how in ("argument", "environment"):
+        pools[world].run(cases.check_freed_views_raise, how)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_freed_views_by_default(pools, world) -> None:
+    pools[world].run(cases.check_freed_by_default)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

@@ -17,7 +17,14 @@ from rank_pool import expect_error
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from ragged_placement import CommCounter, RaggedShard, flat_range, local_view, with_local
+from ragged_placement import (
+    CommCounter,
+    RaggedShard,
+    flat_range,
+    local_view,
+    with_local,
+    with_locals,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -374,6 +381,76 @@ def check_optimizer(
         torch.testing.assert_close(d.full_tensor(), r.detach())
 
 
+def check_foreach_decisions(units: tuple[int, ...]) -> None:
+    """Foreach ops decided entry by entry equal the decision for the whole list, and an
+    optimizer whose parameters with a gradient change every step propagates nothing once it
+    has seen each parameter (and equals one process)."""
+    from ragged_placement._compat import _installed
+    from ragged_placement._decisions import ShardingDecisions
+    from ragged_placement._ops import propagate
+
+    mesh = _mesh()
+    rows = sum(units)
+    shapes = [(2 * rows, 3), (rows,), (3 * rows, 2, 2), (2 * rows, 3)]
+    fulls = [_full(shape, seed=40 + i) for i, shape in enumerate(shapes)]
+    ragged = [
+        distribute_tensor(f, mesh, [RaggedShard((0,), units)], src_data_rank=None) for f in fulls
+    ]
+    others = [distribute_tensor(f * 2, mesh, [RaggedShard((0,), units)]) for f in fulls]
+    replicated = [distribute_tensor(f, mesh, [Replicate()]) for f in fulls]
+    scale = DTensor.from_local(torch.tensor(0.5), mesh, [Partial()])  # clip's coefficient
+    aten = torch.ops.aten
+    calls = [
+        (aten._foreach_add_.List, (ragged, replicated), {"alpha": 2.0}),  # Replicate moves
+        (aten._foreach_add.List, (ragged, others), {}),
+        (aten._foreach_mul_.Tensor, (ragged, scale), {}),  # a Partial scalar moves
+        (aten._foreach_norm.Scalar, (ragged, 2), {}),
+        (aten._foreach_norm.Scalar, (ragged, math.inf), {}),
+        (aten._foreach_lerp_.Scalar, (ragged, others, 0.1), {}),
+        (aten._foreach_addcdiv_.ScalarList, (ragged, others, others, [0.1, 0.2, 0.3, 0.4]), {}),
+        (aten._foreach_sqrt.default, (others,), {}),
+    ]
+    dispatcher = DTensor._op_dispatcher
+    meta = dispatcher.sharding_propagator._propagate_tensor_meta_non_cached
+    for op, args, kwargs in calls:
+        schema = dispatcher.unwrap_to_op_info(op, args, kwargs).schema
+        decisions = ShardingDecisions()
+        joined = decisions.decide(schema, meta)
+        whole = propagate(schema, meta)
+        assert decisions.num_propagations == 3, (op, decisions.num_propagations)  # 3 shapes
+        assert joined.output_spec == whole.output_spec, op
+        assert joined.needs_redistribute == whole.needs_redistribute, op
+        if whole.needs_redistribute:
+            assert joined.redistribute_schema is not None and whole.redistribute_schema
+            assert joined.redistribute_schema.args_spec == whole.redistribute_schema.args_spec
+        # Another subset, in another order, of entries seen before: nothing to propagate.
+        subset = [a[::-1][:2] if isinstance(a, list) and len(a) == 4 else a for a in args]
+        schema = dispatcher.unwrap_to_op_info(op, tuple(subset), kwargs).schema
+        assert decisions.decide(schema, meta).output_spec == propagate(schema, meta).output_spec
+        assert decisions.num_propagations == 3, op
+    # AdamW + clip where a different subset of parameters has a gradient every step.
+    refs = [torch.nn.Parameter(f.clone()) for f in fulls]
+    params = [torch.nn.Parameter(r.detach().clone()) for r in ragged]
+    make = lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, foreach=True)  # noqa: E731
+    ref_opt, opt = make(refs), make(params)
+    hooks = _installed[0]
+    for step in range(6):
+        used = [i for i in range(len(params)) if (i + step) % 3]  # a different subset
+        for i in used:
+            grad = _full(shapes[i], seed=200 + 10 * step + i)
+            refs[i].grad = grad.clone()
+            params[i].grad = distribute_tensor(grad, mesh, [RaggedShard((0,), units)])
+        if step == 3:
+            before = hooks.decisions.num_propagations  # type: ignore[attr-defined]
+        for group, optimizer in ((refs, ref_opt), (params, opt)):
+            torch.nn.utils.clip_grad_norm_(group, 1.0, foreach=True)
+            optimizer.step()
+            optimizer.zero_grad()
+    assert hooks.decisions.num_propagations == before  # type: ignore[attr-defined]
+    for ref, param in zip(refs, params, strict=True):
+        torch.testing.assert_close(param.full_tensor(), ref.detach())
+
+
 # -- meshes with more than one axis ------------------------------------------------------------
 
 
@@ -422,6 +499,18 @@ def check_with_local(shape: tuple[int, ...], units: tuple[int, ...]) -> None:
     expect_error(ValueError, lambda: with_local(dt, doubled.to("meta")), "meta")
     expect_error(TypeError, lambda: with_local(full, doubled), "expected a DTensor")  # type: ignore[arg-type]
     expect_error(TypeError, lambda: with_local(dt, dt), "plain tensor")
+    # with_locals: the same, for many at once; bad input names the first offender.
+    other = distribute_tensor(full[:1].clone(), mesh, [Replicate()])
+    made_all = with_locals([dt, other, dt], [doubled, other.to_local() * 3, doubled * 0])
+    assert [m.placements for m in made_all] == [dt.placements, other.placements, dt.placements]
+    assert made_all[0].to_local().data_ptr() == doubled.data_ptr()
+    assert torch.equal(made_all[0].full_tensor(), 2 * full)
+    assert torch.equal(made_all[1].full_tensor(), 3 * full[:1])
+    assert not made_all[2].full_tensor().any() and with_locals([], []) == []
+    expect_error(ValueError, lambda: with_locals([dt, dt], [doubled]), "2 DTensors but 1")
+    expect_error(ValueError, lambda: with_locals([dt, dt], [doubled, doubled.double()]), "float64")
+    expect_error(TypeError, lambda: with_locals([dt, full], [doubled, doubled]), "DTensor")  # type: ignore[list-item]
+    expect_error(TypeError, lambda: with_locals([dt], [dt]), "plain tensor")
 
 
 def check_bad_input() -> None:

@@ -196,10 +196,17 @@ def test_ragged_sharding_decisions_are_cached_per_schema(tmp_path) -> None:
                 op, (params, grads), {{"alpha": alpha}}, info, True
             )
             assert sharding is info.output_sharding
-        assert metas == [op], metas
+        # A foreach op is decided entry by entry ("columns"): one propagation per distinct
+        # entry, whatever lists they come in (an optimizer whose parameters with a gradient
+        # change from step to step).
+        assert metas == [op, op], metas
+        for lists in ((params[::-1], grads[::-1]), ([params[1]], [grads[1]])):
+            info = dispatcher.unwrap_to_op_info(op, lists, {{"alpha": 4.0}})
+            dispatcher.sharding_propagator.propagate(info)
+        assert metas == [op, op], metas
         other = dispatcher.unwrap_to_op_info(op, ([ragged(2, 3)], [ragged(2, 3)]), {{}})
         dispatcher.sharding_propagator.propagate(other)
-        assert metas == [op, op], metas
+        assert metas == [op, op, op], metas
         torch._foreach_add_(params, grads, alpha=2.0)  # the cached decision computes right
         assert torch.equal(params[0].full_tensor(), torch.full((4, 3), 3.0))
         dist.destroy_process_group()

@@ -14,9 +14,11 @@ Memory model (see DESIGN.md, "DBuffer"):
   `reduce_scatter()` reduces it straight into `local_grad`, whose views are the sharded
   gradients, then frees it (`_grad_buffer.py`); `all_reduce()` then averages them over the
   replicate axis (HSDP).
-- Freed memory: views of a freed buffer raise a clear error when read (`_views.py`); on CUDA
-  frees are ordered with explicit stream waits, not `record_stream` (`_streams.py`), and a
-  collective's Handle makes the reading stream wait for it.
+- Freed memory: `full()` raises while resharded, and a backward that needs a view autograd
+  saved raises autograd's version error while its memory is freed; with `check_freed` every
+  op on a view checks too (`_freeable.py`, `_views.py`). On CUDA frees are ordered with
+  explicit stream waits, not `record_stream` (`_streams.py`), and a collective's Handle makes
+  the reading stream wait for it.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.placement_types import Placement
-from torch.profiler import record_function
 
 from dbuffer._checks import (
     BlockRows,
@@ -42,14 +43,16 @@ from dbuffer._checks import (
     check_tensors,
     rows_of,
 )
-from dbuffer._freeable import FreeableBuffer
+from dbuffer._compat import profiler_range
+from dbuffer._freeable import FreeableBuffer, check_freed_default
 from dbuffer._grad_buffer import FullGradBuffer
 from dbuffer._handle import Handle
 from dbuffer._streams import current_stream, free_storage, record_event
-from ragged_placement import RaggedShard, with_local
+from ragged_placement import RaggedShard, with_local, with_locals
 from shard_planner import Layout, TensorSpec, plan_layout
 
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}
+_PLAIN_TENSORS = {torch.Tensor, torch.nn.Parameter}  # what autograd hands out as gradients
 
 
 class DBuffer:
@@ -65,6 +68,11 @@ class DBuffer:
             names get 1), or a function of (name, shape).
         align_bytes: Every rank's chunk starts at a multiple of this many bytes.
         layout: A precomputed layout for exactly these tensors (names, sizes, world size).
+        check_freed: Make every op on a `full` / `full_grad` view check that its memory is
+            there and raise a clear error if not (about 10 us per op; for debugging). None:
+            on when the environment has `DBUFFER_CHECK_FREED=1`. Off, reading a view held
+            across a `reshard()` is undefined (as for FSDP2's unsharded parameters), but
+            `full()` and autograd's saved views still raise while freed.
 
     Example:
         >>> buf = DBuffer([("w", w), ("b", b)], mesh, block_rows={"w": 32})
@@ -83,9 +91,13 @@ class DBuffer:
         block_rows: BlockRows = 1,
         align_bytes: int = 16,
         layout: Layout | None = None,
+        check_freed: bool | None = None,
     ) -> None:
         tensors = list(tensors)
         check_tensors(tensors)
+        if check_freed is not None and not isinstance(check_freed, bool):
+            raise TypeError(f"check_freed must be a bool or None, got {check_freed!r}")
+        self.check_freed = check_freed_default() if check_freed is None else check_freed
         self.mesh = mesh
         self.shard_dim = check_axis("shard_dim", shard_dim, mesh)
         self.replicate_dim = (
@@ -112,14 +124,26 @@ class DBuffer:
         size = self.layout.shard_size
         self.local = torch.zeros(size, dtype=self.dtype, device=self.device)
         self.copy_(dict(tensors))
+        # Per tensor: this rank's (start, end) in `local`, or the shape of an empty tensor.
+        self._pieces: dict[str, tuple[int, int, torch.Size | None]] = {
+            name: (0, 0, t.shape)
+            if t.numel() == 0
+            else (*self.layout.local_range(name, self._rank), None)
+            for name, t in tensors
+        }
         self._sharded = {name: self._make_sharded(name, self.local) for name, _ in tensors}
         # Global (unsharded) buffers by dtype, and the unshards still in flight into them.
         self._global: dict[torch.dtype, FreeableBuffer] = {}
         self._pending_unshards: dict[torch.dtype, Handle] = {}
-        self._grad = FullGradBuffer(self.layout, self._shapes, self.dtype, self.device)
+        self._grad = self._new_grad_buffer()
         self._pending_reduce: Handle | None = None
         self._local_grad: torch.Tensor | None = None
         self._sharded_grads: dict[str, DTensor] = {}
+
+    def _new_grad_buffer(self) -> FullGradBuffer:
+        return FullGradBuffer(
+            self.layout, self._shapes, self.dtype, self.device, check_freed=self.check_freed
+        )
 
     # -- sizes and names ----------------------------------------------------------------------
 
@@ -152,10 +176,8 @@ class DBuffer:
 
     def _piece(self, name: str, storage: torch.Tensor) -> torch.Tensor:
         """This rank's piece of `name` in `storage` (`local` or `local_grad`)."""
-        if self.layout.spec(name).numel == 0:
-            return storage[0:0].view(self._shapes[name])
-        lo, hi = self.layout.local_range(name, self._rank)
-        return storage[lo:hi]
+        lo, hi, empty_shape = self._pieces[name]
+        return storage[lo:hi] if empty_shape is None else storage[0:0].view(empty_shape)
 
     def _make_sharded(self, name: str, storage: torch.Tensor) -> DTensor:
         piece = self._piece(name, storage)
@@ -180,6 +202,26 @@ class DBuffer:
             piece = self._piece(name, self.local_grad)
             view = self._sharded_grads[name] = with_local(self._sharded[name], piece)
         return view
+
+    def sharded_grads(self) -> dict[str, DTensor]:
+        """`sharded_grad(name)` of every tensor, by name (built together, in one pass).
+
+        Example:
+            >>> grads = buf.sharded_grads()
+            >>> grads["w"] is buf.sharded_grad("w")
+            True
+        """
+        views = self._sharded_grads
+        if len(views) < len(self._shapes):
+            # Once per step for every parameter of an FSDP group: one DTensor each, and no
+            # other Python call per tensor.
+            grad = self.local_grad
+            names = [name for name in self._shapes if name not in views]
+            ranges = [self._pieces[name] for name in names]
+            pieces = [grad[lo:hi] if s is None else grad[0:0].view(s) for lo, hi, s in ranges]
+            made = with_locals([self._sharded[name] for name in names], pieces)
+            views.update(zip(names, made, strict=True))
+        return dict(views)
 
     @property
     def local_grad(self) -> torch.Tensor:
@@ -224,7 +266,14 @@ class DBuffer:
             # On one rank the global buffer is the local shard: alias it (no copy, no memory).
             backing = self.local if self._group.size() == 1 and dtype == self.dtype else None
             memory = FreeableBuffer(
-                numel, offsets, self._shapes, dtype, self.device, "unsharded tensor", backing
+                numel,
+                offsets,
+                self._shapes,
+                dtype,
+                self.device,
+                "unsharded tensor",
+                backing,
+                check_freed=self.check_freed,
             )
             self._global[dtype] = memory
         return memory.allocate()
@@ -267,7 +316,7 @@ class DBuffer:
         works: list[dist.Work | None] = []
         # On one rank the buffer aliases `local`, or the cast above already filled it.
         if self._group.size() > 1:
-            with record_function("DBuffer::all_gather"):
+            with profiler_range("DBuffer::all_gather"):
                 works.append(
                     dist.all_gather_single(buffer, send, group=self._group, async_op=async_op)
                 )
@@ -335,13 +384,51 @@ class DBuffer:
             >>> torch.equal(buf.full_grad("w"), grad_w)
             True
         """
+        self.accumulate_grads([name], [grad])
+
+    def accumulate_grads(self, names: Sequence[str], grads: Sequence[torch.Tensor]) -> None:
+        """`accumulate_grad` for many tensors at once: one foreach copy and one foreach add.
+
+        Args:
+            names: Tensor names of this DBuffer.
+            grads: Their full gradients, in the same order.
+
+        Example:
+            >>> buf.accumulate_grads(["w", "b"], [grad_w, grad_b])
+            >>> torch.equal(buf.full_grad("b"), grad_b)
+            True
+        """
+        names, grads = list(names), list(grads)
+        if len(names) != len(grads):
+            raise ValueError(f"accumulate_grads: {len(names)} names but {len(grads)} gradients")
+        # Checked as whole lists (the engine passes every gradient of a group per step); the
+        # per-tensor loop below only runs to name the culprit.
+        shapes = self._shapes
+        if not (
+            {g.__class__ for g in grads} <= _PLAIN_TENSORS
+            and set(names) <= shapes.keys()
+            and [shapes[n] for n in names] == [g.shape for g in grads]
+            and {g.device for g in grads} <= {self.device}
+            and all(
+                dtype.is_floating_point or dtype.is_complex for dtype in {g.dtype for g in grads}
+            )
+        ):
+            for name, grad in zip(names, grads, strict=True):
+                self._check_grad(name, grad)
+        self._wait_reduce()
+        if len(set(names)) < len(names):  # a name twice: add in order, one at a time
+            for name, grad in zip(names, grads, strict=True):
+                self._grad.accumulate([name], [grad])
+            return
+        self._grad.accumulate(names, grads)
+
+    def _check_grad(self, name: str, grad: object) -> None:
         self._check_name(name)
-        value: object = grad  # callers may pass anything; check before use
-        if not isinstance(value, torch.Tensor) or value.shape != self._shapes[name]:
-            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        shape = self._shapes[name]
+        if not isinstance(grad, torch.Tensor) or grad.shape != shape:
+            got = tuple(grad.shape) if isinstance(grad, torch.Tensor) else type(grad).__name__
             raise ValueError(
-                f"accumulate_grad({name!r}): expected a tensor of shape "
-                f"{tuple(self._shapes[name])}, got {got}"
+                f"accumulate_grad({name!r}): expected a tensor of shape {tuple(shape)}, got {got}"
             )
         if grad.device != self.device:
             raise ValueError(
@@ -351,8 +438,6 @@ class DBuffer:
             raise TypeError(
                 f"accumulate_grad({name!r}): gradients must be floating point, got {grad.dtype}"
             )
-        self._wait_reduce()
-        self._grad.accumulate(name, grad)
 
     def _wait_reduce(self) -> None:
         if self._pending_reduce is not None:
@@ -417,7 +502,7 @@ class DBuffer:
         if self._group.size() == 1:
             out.copy_(send)
         else:
-            with record_function("DBuffer::reduce_scatter"):
+            with profiler_range("DBuffer::reduce_scatter"):
                 works.append(
                     dist.reduce_scatter_single(
                         out, send, op=_OPS[op], group=self._group, async_op=async_op
@@ -476,7 +561,7 @@ class DBuffer:
         group = self.mesh.get_group(self.replicate_dim)
         cast = reduce_dtype not in (None, self.dtype)
         target = self.local_grad.to(reduce_dtype) if cast else self.local_grad
-        with record_function("DBuffer::all_reduce"):
+        with profiler_range("DBuffer::all_reduce"):
             work = dist.all_reduce(target, op=_OPS[op], group=group, async_op=async_op)
         alloc_stream = current_stream(self.device)
 
@@ -523,7 +608,7 @@ class DBuffer:
         self._local_grad = None
         self._global = {}
         self._pending_unshards = {}
-        self._grad = FullGradBuffer(self.layout, self._shapes, self.dtype, self.device)
+        self._grad = self._new_grad_buffer()
         self._sharded = {name: self._make_sharded(name, self.local) for name in self.names}
         self._sharded_grads = {}
 

@@ -3,24 +3,56 @@
 - `plain_tensor_ops()`: `torch._C.DisableTorchFunctionSubclass`, so that a tensor subclass's
   `__torch_function__` can run an op on its instances as plain tensors (without the default
   handler converting every output to the subclass).
+- `set_version(tensor, version)`: `torch._C._autograd._unsafe_set_version_counter`, which sets
+  the version counter that a tensor shares with its views (autograd compares it with the
+  version a saved tensor had when it was saved).
+- `profiler_range(name)`: `torch.profiler.record_function(name)` only while a profiler runs
+  (`torch._C._autograd._profiler_enabled`): a range costs ~8 us even with no profiler.
+- `foreach_copy_(dst, src)` / `foreach_add_(dst, src)`: `torch._foreach_copy_` /
+  `torch._foreach_add_`, one dispatch for a whole list of tensors (casting as `copy_` does).
 Tested on the torch versions `ragged_placement.SUPPORTED_TORCH` names; others are refused at
 import.
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
+from torch.profiler import record_function
 
 from ragged_placement import check_torch_version
 
-__all__ = ["plain_tensor_ops"]
+__all__ = ["foreach_add_", "foreach_copy_", "plain_tensor_ops", "profiler_range", "set_version"]
 
 
 def plain_tensor_ops() -> AbstractContextManager[None]:
     """Context in which `__torch_function__` overrides of tensor subclasses are skipped."""
     return torch._C.DisableTorchFunctionSubclass()
+
+
+def set_version(tensor: torch.Tensor, version: int) -> None:
+    """Sets the version counter of `tensor` and of every view sharing it."""
+    torch._C._autograd._unsafe_set_version_counter((tensor,), (version,))
+
+
+_NO_RANGE = nullcontext()
+
+
+def profiler_range(name: str) -> AbstractContextManager[object]:
+    """A profiler range named `name` while a profiler runs, else a no-op context."""
+    return record_function(name) if torch._C._autograd._profiler_enabled() else _NO_RANGE
+
+
+def foreach_copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    """`dst[i].copy_(src[i])` for every i, in one dispatch."""
+    torch._foreach_copy_(list(dst), list(src))
+
+
+def foreach_add_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    """`dst[i].add_(src[i])` for every i, in one dispatch."""
+    torch._foreach_add_(list(dst), list(src))
 
 
 check_torch_version("dbuffer")

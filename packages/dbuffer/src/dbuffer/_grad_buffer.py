@@ -12,8 +12,11 @@ view to accumulate into by hand (`view`) gets that tensor's range zeroed first.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from dbuffer._compat import foreach_add_, foreach_copy_
 from dbuffer._freeable import FreeableBuffer
 from shard_planner import Layout
 
@@ -26,6 +29,7 @@ class FullGradBuffer:
         shapes: Each tensor's shape.
         dtype: The gradients' dtype.
         device: Their device.
+        check_freed: Guard the views against reads while freed (see `FreeableBuffer`).
     """
 
     def __init__(
@@ -34,10 +38,18 @@ class FullGradBuffer:
         shapes: dict[str, torch.Size],
         dtype: torch.dtype,
         device: torch.device,
+        *,
+        check_freed: bool = False,
     ) -> None:
         self._layout, self._shapes = layout, shapes
         self._memory = FreeableBuffer(
-            layout.buffer_numel, dict(layout.offsets), shapes, dtype, device, "full gradient"
+            layout.buffer_numel,
+            dict(layout.offsets),
+            shapes,
+            dtype,
+            device,
+            "full gradient",
+            check_freed=check_freed,
         )
         self._uninitialized: set[str] = set()
         self._gaps = _gaps(layout)
@@ -56,15 +68,26 @@ class FullGradBuffer:
             self._uninitialized.discard(name)
         return view
 
-    def accumulate(self, name: str, grad: torch.Tensor) -> None:
-        """Adds `grad` to tensor `name`'s full gradient (the first one is copied in)."""
+    def accumulate(self, names: Sequence[str], grads: Sequence[torch.Tensor]) -> None:
+        """Adds each gradient to its tensor's full gradient (a first one is copied in).
+
+        One foreach copy for the first gradients and one foreach add for the others, so the
+        host cost does not grow with a Python call per tensor. `names` has no repeats.
+        """
         self._allocate()
-        view = self._memory.views[name]
-        if name in self._uninitialized:
-            view.copy_(grad)
-            self._uninitialized.discard(name)
-        else:
-            view.add_(grad)
+        views, fresh = self._memory.views, self._uninitialized
+        first = [name in fresh for name in names]
+        if any(first):
+            foreach_copy_(
+                [views[n] for n, f in zip(names, first, strict=True) if f],
+                [g for g, f in zip(grads, first, strict=True) if f],
+            )
+            fresh.difference_update(names)
+        if not all(first):
+            foreach_add_(
+                [views[n] for n, f in zip(names, first, strict=True) if not f],
+                [g for g, f in zip(grads, first, strict=True) if not f],
+            )
 
     def for_reduce(self) -> torch.Tensor:
         """The whole buffer, with every range nobody wrote zeroed (one kernel per run)."""
@@ -107,7 +130,7 @@ def _gaps(layout: Layout) -> list[tuple[int, int]]:
 
 def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     merged: list[tuple[int, int]] = []
-    for lo, hi in sorted(r for r in ranges if r[1] > r[0]):
+    for lo, hi in sorted([r for r in ranges if r[1] > r[0]]):
         if merged and lo <= merged[-1][1]:
             merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
         else:

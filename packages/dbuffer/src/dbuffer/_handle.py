@@ -6,8 +6,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
+from dbuffer._compat import profiler_range
 from dbuffer._streams import Event, wait_event
 
 
@@ -55,7 +55,7 @@ class Handle:
             return
         if self._works:
             # Backends may finish a collective (e.g. copy out of a staging buffer) in wait().
-            with record_function("DBuffer::wait"):
+            with profiler_range("DBuffer::wait"):
                 for work in self._works:
                     work.wait()
         if self._device is not None:

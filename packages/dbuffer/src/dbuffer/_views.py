@@ -1,4 +1,7 @@
-"""Views of a DBuffer's freeable buffers that refuse to be read while the memory is freed.
+"""Guarded views of a DBuffer's freeable buffers: they refuse to be read while freed.
+
+Used when freed-memory checks are on (`DBUFFER_CHECK_FREED=1`, or `check_freed=True`); by
+default the views are plain tensors (`_freeable.py` says what stays checked then).
 
 `reshard()` frees the global buffer by resizing its storage to zero bytes, and
 `reduce_scatter()` does the same to the global gradient buffer; the views handed out by
@@ -203,23 +206,24 @@ def buffer_views(
     offsets: dict[str, int],
     shapes: dict[str, torch.Size],
     what: str,
-    memory: Memory,
+    memory: Memory | None,
 ) -> dict[str, torch.Tensor]:
-    """Guarded views of `buffer`: tensor `name` of shape `shapes[name]` at `offsets[name]`.
+    """Views of `buffer`: tensor `name` of shape `shapes[name]` at `offsets[name]`.
 
     Args:
         buffer: A flat buffer holding every tensor at its planned offset.
         offsets: Global start of each tensor.
         shapes: Shape of each tensor.
         what: How errors name the views ("unsharded tensor", "full gradient").
-        memory: The owner the views ask whether the buffer is allocated.
+        memory: The owner the views ask whether the buffer is allocated; None for plain
+            (unguarded) views.
 
     Returns:
-        The views by name, each a BufferView described as f"{what} {name!r}".
+        The views by name; guarded ones are BufferViews described as f"{what} {name!r}".
     """
     views: dict[str, torch.Tensor] = {}
     for name, off in offsets.items():
         numel = shapes[name].numel()
         view = buffer[off : off + numel].view(shapes[name])
-        views[name] = guard(view, f"{what} {name!r}", memory)
+        views[name] = view if memory is None else guard(view, f"{what} {name!r}", memory)
     return views

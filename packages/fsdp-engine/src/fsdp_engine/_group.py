@@ -14,6 +14,7 @@ RaggedShard DTensor view of `local_grad`, accumulated across iterations until th
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,9 +25,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.profiler import record_function
 
 from dbuffer import DBuffer, Handle
+from fsdp_engine._compat import profiler_range
 
 Location = tuple[nn.Module, str]
 
@@ -45,10 +46,6 @@ class ManagedParam:
     @property
     def requires_grad(self) -> bool:
         return self.sharded.requires_grad
-
-    def register(self, tensor: nn.Parameter) -> None:
-        for module, attr in self.locations:
-            module._parameters[attr] = tensor
 
 
 @dataclass
@@ -95,9 +92,14 @@ class ParamGroup:
     # (a weight tied across groups) raises instead of sharding it twice.
     originals: weakref.WeakSet[nn.Parameter] = field(default_factory=weakref.WeakSet)
 
-    @property
-    def buffers(self) -> list[DBuffer]:
-        return list(dict.fromkeys(p.buffer for p in self.params))
+    def __post_init__(self) -> None:
+        # Per DBuffer, its parameters in group order: the per-step loops below walk these
+        # lists doing attribute work only (no Python call per parameter).
+        self.members: dict[DBuffer, list[ManagedParam]] = {}
+        for param in self.params:
+            self.members.setdefault(param.buffer, []).append(param)
+        self.buffers = list(self.members)
+        self._slots = [(module, attr, p) for p in self.params for module, attr in p.locations]
 
     @property
     def data_parallel_size(self) -> int:
@@ -115,7 +117,7 @@ class ParamGroup:
         """Gathers every DBuffer (a no-op while unsharded); returns the handles to wait on."""
         if self.is_unsharded:
             return self._unshard_handles
-        with record_function(f"FSDP::unshard({self.label})"):
+        with profiler_range(f"FSDP::unshard({self.label})"):
             self._unshard_handles = [
                 buffer.unshard(dtype=self._compute_dtype(buffer), async_op=async_op)
                 for buffer in self.buffers
@@ -126,7 +128,7 @@ class ParamGroup:
     def wait_for_unshard(self) -> None:
         """Waits for the gathers and registers the unsharded parameters."""
         if self._unshard_handles:
-            with record_function(f"FSDP::wait_for_unshard({self.label})"):
+            with profiler_range(f"FSDP::wait_for_unshard({self.label})"):
                 for handle in self._unshard_handles:
                     handle.wait()
         self._unshard_handles = []
@@ -136,7 +138,8 @@ class ParamGroup:
                 full = param.buffer.full(param.name, dtype=dtype)
                 param.unsharded = nn.Parameter(full, requires_grad=param.requires_grad)
                 param.compute_dtype = dtype
-            param.register(param.unsharded)
+        for module, attr, param in self._slots:
+            module._parameters[attr] = param.unsharded
 
     def reshard(self) -> None:
         """Frees the gathered memory and registers the sharded parameters again."""
@@ -145,20 +148,26 @@ class ParamGroup:
                 buffer.reshard()
             self._unshard_handles = []
             self.is_unsharded = False
-        for param in self.params:
-            param.register(param.sharded)
+        for module, attr, param in self._slots:
+            module._parameters[attr] = param.sharded
 
     # -- gradients ----------------------------------------------------------------------------
 
     def collect_gradients(self) -> None:
-        """Moves each unsharded parameter's gradient into its DBuffer's full gradient buffer."""
-        for param in self.params:
-            unsharded = param.unsharded
-            if unsharded is None or unsharded.grad is None:
+        """Moves the unsharded parameters' gradients into their DBuffers' gradient buffers.
+
+        One foreach copy (or add, when accumulating) per DBuffer.
+        """
+        for buffer, members in self.members.items():
+            # Comprehensions, not a loop of calls: this runs for every parameter every step.
+            pairs = [(p, p.unsharded.grad) for p in members if p.unsharded is not None]
+            got = [(p, grad) for p, grad in pairs if grad is not None]
+            if not got:
                 continue
-            param.buffer.accumulate_grad(param.name, unsharded.grad)
-            unsharded.grad = None
-            self._received.add(param)
+            buffer.accumulate_grads([p.name for p, _ in got], [grad for _, grad in got])
+            for param, _ in got:
+                param.unsharded.grad = None  # type: ignore[union-attr]
+            self._received.update([p for p, _ in got])
 
     def reduce(self, *, async_op: bool) -> None:
         """Reduce-scatters every DBuffer's gradients (the sharded `.grad`s are set later).
@@ -167,14 +176,15 @@ class ParamGroup:
         new ones added to them: `local_grad` is saved, the reduce overwrites it, and the
         saved part is added back once the reduce is done.
         """
-        for buffer in self.buffers:
-            if not any(p.buffer is buffer for p in self._received):
+        received = self._received
+        for buffer, members in self.members.items():
+            if received.isdisjoint(members):
                 # No gradient reached this buffer on this rank; it still takes part in the
                 # collective (other ranks may have some), with zeros.
                 buffer.full_grad(buffer.names[0])
         saved: dict[DBuffer, torch.Tensor] = {}
-        for buffer in self.buffers:
-            members = [p for p in self.params if p.buffer is buffer and p.requires_grad]
+        for buffer, all_members in self.members.items():
+            members = [p for p in all_members if p.sharded.requires_grad]
             kept = [p for p in members if p.sharded.grad is not None]
             if kept:
                 # Zeroed first (the reduce overwrites local_grad anyway) so that what is
@@ -190,7 +200,7 @@ class ParamGroup:
         # With a factor: gradients divided once by it, then summed over both mesh axes.
         self._reduce_op = "avg" if factor is None else "sum"
         handles = []
-        with record_function(f"FSDP::reduce_scatter({self.label})"):
+        with profiler_range(f"FSDP::reduce_scatter({self.label})"):
             for buffer in self.buffers:
                 reduce_dtype = self.mp_policy.reduce_dtype or self._compute_dtype(buffer)
                 handles.append(
@@ -216,7 +226,7 @@ class ParamGroup:
         if pending is None or pending.done:
             return
         for buffer, handle in pending.handles:
-            with record_function(f"FSDP::wait_for_reduce({self.label})"):
+            with profiler_range(f"FSDP::wait_for_reduce({self.label})"):
                 handle.wait()
             if self.settings.requires_all_reduce and buffer.replicate_dim is not None:
                 buffer.all_reduce(
@@ -236,9 +246,8 @@ class ParamGroup:
         """
         if self._pending_reduce is not None:
             return
-        for buffer in self.buffers:
-            members = [p for p in self.params if p.buffer is buffer and p.requires_grad]
-            if all(p.sharded.grad is None for p in members):
+        for buffer, members in self.members.items():
+            if not [p for p in members if p.sharded.grad is not None and p.sharded.requires_grad]:
                 buffer.release_grad()
 
     @property
@@ -248,7 +257,7 @@ class ParamGroup:
 
     def received(self) -> list[bool]:
         """Per trainable parameter: whether it got a gradient on this rank since the reduce."""
-        return [p in self._received for p in self.params if p.requires_grad]
+        return [p in self._received for p in self.params if p.sharded.requires_grad]
 
     def assign_gradients(self, used_anywhere: list[bool]) -> None:
         """Points each trainable sharded parameter's `.grad` at its reduced gradient.
@@ -258,11 +267,12 @@ class ParamGroup:
                 it. Parameters no rank used keep `.grad` as it was (None after zero_grad),
                 as in single-process training, unless unused parameters are reduced too.
         """
-        trainable = [p for p in self.params if p.requires_grad]
+        trainable = [p for p in self.params if p.sharded.requires_grad]
+        reduced_by_buffer = {buffer: buffer.sharded_grads() for buffer in self.buffers}
         for param, used in zip(trainable, used_anywhere, strict=True):
             if not used and not self.settings.reduce_scatter_unused_params:
                 continue
-            reduced = param.buffer.sharded_grad(param.name)
+            reduced = reduced_by_buffer[param.buffer][param.name]
             current = param.sharded.grad
             if current is None:
                 param.sharded.grad = reduced
@@ -297,8 +307,11 @@ def used_anywhere(groups: list[ParamGroup]) -> list[list[bool]]:
         dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=mesh.get_group(axis))
     if used_here:
         return flags
-    values = iter(flat.tolist())
-    return [[bool(next(values)) for _ in group] for group in flags]
+    values = flat.tolist()
+    starts = [0]
+    for group in flags:
+        starts.append(starts[-1] + len(group))
+    return [[v != 0 for v in values[a:b]] for a, b in itertools.pairwise(starts)]
 
 
 def move_storage(group: ParamGroup, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:

@@ -25,9 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.profiler import record_function
 
-from fsdp_engine._compat import queue_backward_callback
+from fsdp_engine._compat import profiler_range, queue_backward_callback
 from fsdp_engine._group import ParamGroup, used_anywhere
 
 
@@ -139,7 +138,7 @@ class FSDPState:
             if not context.order_frozen and self.group is not None:
                 context.forward_order.append(self)
             if self.group is not None:
-                with record_function(f"FSDP::pre_forward({self.group.label})"):
+                with profiler_range(f"FSDP::pre_forward({self.group.label})"):
                     self.group.unshard()
                     self.group.wait_for_unshard()
                     self._prefetch(self._forward_targets(), "forward")
@@ -162,7 +161,7 @@ class FSDPState:
         if context is not None and not context.order_frozen and self.group is not None:
             context.post_forward_order.append(self)
         if self.group is not None and self.reshard_after_forward:
-            with record_function(f"FSDP::post_forward({self.group.label})"):
+            with profiler_range(f"FSDP::post_forward({self.group.label})"):
                 self.group.reshard()
         if torch.is_grad_enabled() and self.group is not None:
             output = _hook_outputs(output, self._pre_backward)
@@ -190,7 +189,7 @@ class FSDPState:
                 continue
             if when == "backward" and not target.unshard_in_backward:
                 continue
-            with record_function(f"FSDP::{when}_prefetch({group.label})"):
+            with profiler_range(f"FSDP::{when}_prefetch({group.label})"):
                 group.unshard(async_op=True)
 
     # -- backward -----------------------------------------------------------------------------
@@ -205,7 +204,7 @@ class FSDPState:
             return grad
         self._pre_backward_done = True
         self.phase = Phase.BACKWARD
-        with record_function(f"FSDP::pre_backward({self.group.label})"):
+        with profiler_range(f"FSDP::pre_backward({self.group.label})"):
             if self.unshard_in_backward:
                 self.group.unshard()
                 self.group.wait_for_unshard()
@@ -219,7 +218,7 @@ class FSDPState:
         self._post_backward_done = True
         group, context = self.group, self.context
         assert context is not None
-        with record_function(f"FSDP::post_backward({group.label})"):
+        with profiler_range(f"FSDP::post_backward({group.label})"):
             if group.settings.requires_gradient_sync:
                 # Finish the reduces in flight before this group's gradient buffer is filled,
                 # so that their buffers are freed first: one group's gradients at a time.
@@ -242,7 +241,7 @@ class FSDPState:
     def _end_of_backward(self) -> None:
         context = self.context
         assert context is not None
-        with record_function("FSDP::end_of_backward"):
+        with profiler_range("FSDP::end_of_backward"):
             for state in context.states:
                 if state._forward_ran and not state._post_backward_done:
                     state.post_backward()

@@ -20,7 +20,7 @@ from ragged_placement._compat import SUPPORTED_TORCH, check_torch_version
 from ragged_placement._compat import install as _install
 from ragged_placement._integration import RaggedHooks as _RaggedHooks
 from ragged_placement._placement import RaggedShard, StridedRaggedShard
-from ragged_placement._views import flat_range, local_view, with_local
+from ragged_placement._views import flat_range, local_view, with_local, with_locals
 
 __version__ = "0.1.0"
 
@@ -35,6 +35,7 @@ __all__ = [
     "flat_range",
     "local_view",
     "with_local",
+    "with_locals",
 ]
 
 _install(_RaggedHooks())

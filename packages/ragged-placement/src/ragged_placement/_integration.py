@@ -20,7 +20,8 @@ from ragged_placement._compat import (
     make_dtensor,
     spec_of,
 )
-from ragged_placement._ops import propagate, schema_has_ragged
+from ragged_placement._decisions import ShardingDecisions
+from ragged_placement._ops import schema_has_ragged
 from ragged_placement._placement import RaggedShard, StridedRaggedShard
 from ragged_placement._redistribute import (
     block_shape,
@@ -34,6 +35,9 @@ from ragged_placement._redistribute import (
 
 class RaggedHooks:
     """Implements `_compat.Hooks`."""
+
+    def __init__(self) -> None:
+        self.decisions = ShardingDecisions()
 
     def is_ragged(self, placements: Sequence[Placement] | None) -> bool:
         return placements is not None and any(
@@ -115,8 +119,10 @@ class RaggedHooks:
                         f"shape {tuple(local.shape)}"
                     )
 
-    def propagate(self, schema: OpSchema, tensor_meta: Callable[[OpSchema], Any]) -> OutputSharding:
-        return propagate(schema, tensor_meta)
+    def propagate(
+        self, schema: OpSchema, tensor_meta: Callable[[OpSchema], Any], *, cacheable: bool
+    ) -> OutputSharding:
+        return self.decisions.decide(schema, tensor_meta, cacheable=cacheable)
 
     def checkpoint_write_items(self, dt: DTensor, fqn: str) -> list[Any]:
         return list(write_items(dt, fqn))

@@ -94,6 +94,11 @@ def _is_foreach_elementwise(op: torch._ops.OpOverload) -> bool:
     return any(_is_elementwise(getattr(base, o)) for o in base.overloads())
 
 
+def is_columnwise(op: torch._ops.OpOverload) -> bool:
+    """Whether a foreach op decides each list entry on its own (elementwise, `_foreach_norm`)."""
+    return op is aten._foreach_norm.Scalar or _is_foreach_elementwise(op)
+
+
 def _with_meta(
     spec: DTensorSpec, meta: TensorMeta | None, placements: Sequence[Placement]
 ) -> DTensorSpec:

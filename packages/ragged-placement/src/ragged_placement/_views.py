@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch.distributed.tensor import DTensor
 
-from ragged_placement._compat import local_of, make_dtensor, spec_of
+from ragged_placement._compat import (
+    local_of,
+    locals_and_specs_of,
+    make_dtensor,
+    make_dtensors,
+    spec_of,
+)
 from ragged_placement._placement import RaggedShard, StridedRaggedShard
 from ragged_placement._redistribute import block_shape, strided_axes
 
@@ -95,3 +103,42 @@ def with_local(dt: DTensor, local: torch.Tensor) -> DTensor:
             f"{local.device})"
         )
     return make_dtensor(local, spec_of(dt), requires_grad=False)
+
+
+def with_locals(dts: Sequence[DTensor], locals_: Sequence[torch.Tensor]) -> list[DTensor]:
+    """`with_local` for many DTensors at once: one pass of checks, one constructor each.
+
+    For per-step work over every parameter (the reduced gradients of an FSDP group): the
+    checks read attributes of whole lists, so the host cost per DTensor is the construction.
+
+    Args:
+        dts: DTensors whose specs to reuse.
+        locals_: The local tensors, in the same order (see `with_local`).
+
+    Returns:
+        The new DTensors, in order.
+
+    Raises:
+        TypeError, ValueError: As `with_local`, naming the first offending position.
+
+    Example:
+        >>> grads = with_locals([dt, dt], [torch.zeros_like(dt.to_local())] * 2)
+        >>> [g.placements == dt.placements for g in grads]
+        [True, True]
+    """
+    dts, locals_ = list(dts), list(locals_)
+    if len(dts) != len(locals_):
+        raise ValueError(f"with_locals: {len(dts)} DTensors but {len(locals_)} local tensors")
+    if not {dt.__class__ for dt in dts} <= {DTensor}:
+        for dt in dts:
+            if not isinstance(dt, DTensor):
+                raise TypeError(f"with_locals: expected DTensors, got {type(dt).__name__}")
+    mine, specs = locals_and_specs_of(dts)
+    if not (
+        {t.__class__ for t in locals_} <= {torch.Tensor}
+        and [(t.shape, t.dtype, t.device) for t in mine]
+        == [(t.shape, t.dtype, t.device) for t in locals_]
+    ):
+        for dt, local in zip(dts, locals_, strict=True):
+            with_local(dt, local)  # raises, naming the first mismatch
+    return make_dtensors(locals_, specs)
