@@ -184,13 +184,17 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def bench(session: nox.Session) -> None:
-    """Run a benchmark: `nox -s bench -- planner|placement|dbuffer|engine|guard|optimizers`."""
+    """Run a benchmark: `nox -s bench -- NAME [args]`.
+
+    NAME: planner, placement, dbuffer, engine, overhead, guard or optimizers.
+    """
     which = session.posargs[0] if session.posargs else "planner"
     scripts = {
         "planner": "packages/shard-planner/benchmarks/bench_planner.py",
         "placement": "packages/ragged-placement/benchmarks/bench_placement.py",
         "dbuffer": "packages/dbuffer/benchmarks/bench_dbuffer.py",
         "engine": "packages/fsdp-engine/benchmarks/bench_engine.py",
+        "overhead": "packages/fsdp-engine/benchmarks/bench_overhead.py",
         "guard": "packages/fsdp-engine/benchmarks/bench_guard.py",
         "optimizers": "packages/optimizers/benchmarks/bench_optimizers.py",
     }

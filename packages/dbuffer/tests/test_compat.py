@@ -42,3 +42,46 @@ def test_plain_tensor_ops_skips_subclass_overrides() -> None:
     with _compat.plain_tensor_ops():
         x.sum()
     assert len(calls) == 1  # the override is skipped inside the context
+
+
+def test_set_version_moves_the_counter_views_share() -> None:
+    base = torch.zeros(8)
+    view = torch.nn.Parameter(base[2:6])
+    x = torch.ones(4, requires_grad=True)
+    saved = (x * view).sum()  # autograd saved the view at version 0
+    _compat.set_version(base, 1)
+    assert (base._version, view._version) == (1, 1)
+    try:
+        saved.backward(retain_graph=True)
+    except RuntimeError as exc:
+        assert "modified by an inplace operation" in str(exc), exc
+    else:
+        raise AssertionError("autograd must refuse a saved view at another version")
+    _compat.set_version(base, 0)
+    saved.backward()
+    assert torch.equal(x.grad, torch.zeros(4))
+
+
+def test_profiler_range_only_under_a_profiler() -> None:
+    from torch.profiler import profile, record_function
+
+    idle = _compat.profiler_range("DBuffer::test")
+    assert not isinstance(idle, record_function)  # no profiler: a no-op context, no range
+    with idle:
+        pass
+    with profile() as prof, _compat.profiler_range("DBuffer::test"):
+        torch.ones(2).sum()
+    assert any(e.name == "DBuffer::test" for e in prof.events())
+
+
+def test_collective_names_and_foreach_ops() -> None:
+    import torch.distributed as dist
+
+    expected = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+    assert _compat.all_gather_single is expected
+    expected = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+    assert _compat.reduce_scatter_single is expected
+    dst = [torch.zeros(2), torch.zeros(3)]
+    _compat.foreach_copy_(dst, [torch.ones(2, dtype=torch.bfloat16), torch.full((3,), 2.0)])
+    _compat.foreach_add_(dst, [torch.ones(2), torch.ones(3)])
+    assert torch.equal(dst[0], torch.full((2,), 2.0)) and torch.equal(dst[1], torch.full((3,), 3.0))

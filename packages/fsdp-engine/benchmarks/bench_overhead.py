@@ -40,6 +40,7 @@ import pstats
 import statistics
 import sys
 import time
+import traceback
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -49,6 +50,7 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "5")
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -65,7 +67,7 @@ class Case:
     unused_fraction: float = 0.0  # of each block's experts that get no token, per step
 
 
-_BASE = {"vocab": 256, "dim": 64, "num_heads": 2, "num_layers": 4, "hidden": 128}
+_BASE = {"vocab": 256, "dim": 64, "num_heads": 2, "num_layers": 2, "hidden": 128}
 CASES = {
     "dense": Case(Config(**_BASE)),
     "moe16": Case(Config(**_BASE, num_experts=16)),
@@ -229,7 +231,7 @@ def run_case(name: str, world: int, dtype: str, steps: int, device: str) -> dict
 
     case = CASES[name]
     mesh = init_device_mesh(device, (world,))
-    batch, seq = 2, 64
+    batch, seq = 2, 32
     seed = zlib.crc32(f"{name} {world} {dtype}".encode())  # another routing per case
     routing = {"": Routing(case, batch * seq, device, seed)}
     # The varying case also runs ours on all experts, in the same alternation.
@@ -254,10 +256,10 @@ def run_case(name: str, world: int, dtype: str, steps: int, device: str) -> dict
         return _phases(model, opt, tokens, sync, profilers)
 
     times: dict[str, list[Phases]] = {run: [] for run in runs}
-    for index in range(steps + 3):  # three warm-up steps
+    for index in range(steps + 2):  # two warm-up steps
         for run in runs:  # alternating, on the same routing
             phases = step(run)
-            if index >= 3:
+            if index >= 2:
                 times[run].append(phases)
     result: dict[str, Any] = {"case": name, "world": world, "dtype": dtype, "device": device}
     for run in runs:
@@ -362,12 +364,28 @@ def _print_row(r: dict[str, Any]) -> None:
     print("| " + " | ".join(cells) + " |", flush=True)
 
 
+def _case_process(job: tuple[str, int, str, int, str], queue: Any) -> None:
+    name, world, dtype, steps, device = job
+    try:
+        torch.set_num_threads(1)
+        torch.set_flush_denormal(True)  # values are garbage under the fake group: keep them cheap
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        import ragged_placement  # noqa: F401
+
+        dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+        queue.put(run_case(name, world, dtype, steps, device))
+        dist.destroy_process_group()
+    except Exception:  # the parent reports it
+        queue.put(traceback.format_exc())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", default="8,64", help="comma-separated world sizes")
     parser.add_argument("--cases", default=",".join(CASES), help=f"of {', '.join(CASES)}")
     parser.add_argument("--dtypes", default=",".join(DTYPES), help="bf16 (fp32 reduce), fp32")
-    parser.add_argument("--steps", type=int, default=9, help="timed steps per engine (>= 7)")
+    parser.add_argument("--steps", type=int, default=7, help="timed steps per engine (>= 7)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--out", default=str(ROOT / "build" / "bench" / "overhead.json"))
     args = parser.parse_args(argv)
@@ -382,22 +400,29 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--steps must be >= 7, got {args.steps}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
-    torch.set_num_threads(1)
-    torch.set_flush_denormal(True)  # values are garbage under the fake group: keep them cheap
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    import ragged_placement  # noqa: F401
-
     results = []
     start = time.perf_counter()
     _print_header(args.device)
+    # Forked from this process, which has imported torch and our packages but run nothing.
+    torch.set_num_threads(1)
+    import ragged_placement  # noqa: F401
+
+    spawn = mp.get_context("fork")
     for world in worlds:
-        dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
         for name in names:
             for dtype in dtypes:
-                results.append(run_case(name, world, dtype, args.steps, args.device))
-                _print_row(results[-1])
-        dist.destroy_process_group()
+                # A process per case: no sharding decision, allocator state or warm cache
+                # carries over from another case with the same layout.
+                queue = spawn.SimpleQueue()
+                job = (name, world, dtype, args.steps, args.device)
+                process = spawn.Process(target=_case_process, args=(job, queue))
+                process.start()
+                result = queue.get()
+                process.join()
+                if isinstance(result, str):
+                    raise RuntimeError(f"case {job} failed:\n{result}")
+                results.append(result)
+                _print_row(result)
     print(f"{len(results)} cases in {time.perf_counter() - start:.0f} s")
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -33,3 +33,15 @@ def test_unsupported_version_is_refused_at_import() -> None:
     )
     assert result.returncode != 0
     assert "supports torch 2.13, 2.14; found torch 2.99.0" in result.stderr, result.stderr
+
+
+def test_profiler_range_only_under_a_profiler() -> None:
+    from torch.profiler import profile, record_function
+
+    idle = _compat.profiler_range("FSDP::test")
+    assert not isinstance(idle, record_function)  # no profiler: a no-op context, no range
+    with idle:
+        pass
+    with profile() as prof, _compat.profiler_range("FSDP::test"):
+        torch.ones(2).sum()
+    assert any(e.name == "FSDP::test" for e in prof.events())

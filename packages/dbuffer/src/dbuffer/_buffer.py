@@ -43,7 +43,7 @@ from dbuffer._checks import (
     check_tensors,
     rows_of,
 )
-from dbuffer._compat import profiler_range
+from dbuffer._compat import all_gather_single, profiler_range, reduce_scatter_single
 from dbuffer._freeable import FreeableBuffer, check_freed_default
 from dbuffer._grad_buffer import FullGradBuffer
 from dbuffer._handle import Handle
@@ -317,9 +317,7 @@ class DBuffer:
         # On one rank the buffer aliases `local`, or the cast above already filled it.
         if self._group.size() > 1:
             with profiler_range("DBuffer::all_gather"):
-                works.append(
-                    dist.all_gather_single(buffer, send, group=self._group, async_op=async_op)
-                )
+                works.append(all_gather_single(buffer, send, group=self._group, async_op=async_op))
         handle = Handle(works, device=self.device, event=record_event(self.device))
         self._pending_unshards[dtype] = handle
         return handle
@@ -504,7 +502,7 @@ class DBuffer:
         else:
             with profiler_range("DBuffer::reduce_scatter"):
                 works.append(
-                    dist.reduce_scatter_single(
+                    reduce_scatter_single(
                         out, send, op=_OPS[op], group=self._group, async_op=async_op
                     )
                 )

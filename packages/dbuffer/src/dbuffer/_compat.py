@@ -8,6 +8,9 @@
   version a saved tensor had when it was saved).
 - `profiler_range(name)`: `torch.profiler.record_function(name)` only while a profiler runs
   (`torch._C._autograd._profiler_enabled`): a range costs ~8 us even with no profiler.
+- `all_gather_single` / `reduce_scatter_single`: torch.distributed's names since 2.13; before,
+  the same collectives are `all_gather_into_tensor` / `reduce_scatter_tensor` (chosen once,
+  by which name exists).
 - `foreach_copy_(dst, src)` / `foreach_add_(dst, src)`: `torch._foreach_copy_` /
   `torch._foreach_add_`, one dispatch for a whole list of tensors (casting as `copy_` does).
 Tested on the torch versions `ragged_placement.SUPPORTED_TORCH` names; others are refused at
@@ -20,11 +23,20 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
+import torch.distributed as dist
 from torch.profiler import record_function
 
 from ragged_placement import check_torch_version
 
-__all__ = ["foreach_add_", "foreach_copy_", "plain_tensor_ops", "profiler_range", "set_version"]
+__all__ = [
+    "all_gather_single",
+    "foreach_add_",
+    "foreach_copy_",
+    "plain_tensor_ops",
+    "profiler_range",
+    "reduce_scatter_single",
+    "set_version",
+]
 
 
 def plain_tensor_ops() -> AbstractContextManager[None]:
@@ -36,6 +48,10 @@ def set_version(tensor: torch.Tensor, version: int) -> None:
     """Sets the version counter of `tensor` and of every view sharing it."""
     torch._C._autograd._unsafe_set_version_counter((tensor,), (version,))
 
+
+# (output, input, ..., group=, async_op=): the same arguments under either name.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _NO_RANGE = nullcontext()
 

@@ -212,21 +212,24 @@ class FSDPState:
         return grad
 
     def post_backward(self) -> None:
-        """Collects the group's gradients, reshards, and starts its reduce-scatter."""
+        """Reshards the group, collects its gradients and starts its reduce-scatter."""
         if self._post_backward_done or self.group is None:
             return
         self._post_backward_done = True
         group, context = self.group, self.context
         assert context is not None
         with profiler_range(f"FSDP::post_backward({group.label})"):
+            # The gathered parameters go first: the gradient buffer filled next is as large,
+            # and both at once (with the gradients and the next group's prefetch) would be
+            # the step's peak. The gradients stay reachable through the unsharded objects.
+            if self.reshard_after_backward:
+                group.reshard()
             if group.settings.requires_gradient_sync:
                 # Finish the reduces in flight before this group's gradient buffer is filled,
                 # so that their buffers are freed first: one group's gradients at a time.
                 while len(context.reducing) >= context.max_reduces_in_flight:
                     context.reducing.pop(0).group.wait_for_reduce()  # type: ignore[union-attr]
             group.collect_gradients()
-            if self.reshard_after_backward:
-                group.reshard()
             if not group.settings.requires_gradient_sync:
                 return
             if group.has_reduce:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,7 +39,7 @@ class ShardingDecisions:
     def __init__(self, max_schemas: int = 2048) -> None:
         self.max_schemas = max_schemas
         self._schemas: OrderedDict[OpSchema, OutputSharding] = OrderedDict()
-        self._columns: dict[Hashable, OutputSharding] = {}
+        self._columns: dict[Hashable, _Column] = {}
         self.num_propagations = 0  # fake-tensor propagations run (for tests and benchmarks)
 
     def decide(
@@ -88,13 +89,48 @@ class ShardingDecisions:
                 if not any(has_ragged(args[i][index]) for i in lists):  # type: ignore[index]
                     return None  # torch's own rule decides this entry: not per column
                 one = tuple([a[index]] if i in lists else a for i, a in enumerate(args))  # type: ignore[index]
-                column = self._propagate(
-                    OpSchema(schema.op, one, schema.kwargs_schema, schema_info=schema.schema_info),
-                    tensor_meta,
+                single = OpSchema(
+                    schema.op, one, schema.kwargs_schema, schema_info=schema.schema_info
                 )
-                self._columns[key] = column
+                column = self._columns[key] = _Column.of(
+                    single, lists, self._propagate(single, tensor_meta)
+                )
             columns.append(column)
         return _join(schema, lists, columns) if columns else None
+
+
+@dataclass(frozen=True)
+class _Column:
+    """The decision for one entry of a foreach op, and which of its specs must move.
+
+    `moved[i]` is the spec argument i (its entry, for a list) is redistributed to, or None
+    where it stays as given: a joined decision then keeps the caller's own spec objects,
+    which torch compares by identity first.
+    """
+
+    sharding: OutputSharding
+    moved: tuple[Any, ...]
+    moved_kwargs: dict[str, Any]
+
+    @staticmethod
+    def of(single: OpSchema, lists: tuple[int, ...], sharding: OutputSharding) -> _Column:
+        target = sharding.redistribute_schema
+        if not sharding.needs_redistribute or target is None:
+            return _Column(sharding, (None,) * len(single.args_schema), {})
+        moved = []
+        for position, given in enumerate(single.args_schema):
+            wanted = target.args_schema[position]
+            if position in lists:
+                given, wanted = given[0], wanted[0]  # type: ignore[index]
+            moved.append(
+                wanted if isinstance(wanted, DTensorSpec) and wanted is not given else None
+            )
+        moved_kwargs = {
+            k: v
+            for k, v in target.kwargs_schema.items()
+            if isinstance(v, DTensorSpec) and v is not single.kwargs_schema.get(k)
+        }
+        return _Column(sharding, tuple(moved), moved_kwargs)
 
 
 def _list_positions(schema: OpSchema) -> tuple[int, ...]:
@@ -106,47 +142,35 @@ def _list_positions(schema: OpSchema) -> tuple[int, ...]:
     return tuple(i for i, n in lengths.items() if n == length)
 
 
-def _join(
-    schema: OpSchema, lists: tuple[int, ...], columns: list[OutputSharding]
-) -> OutputSharding:
+def _join(schema: OpSchema, lists: tuple[int, ...], columns: list[_Column]) -> OutputSharding:
     """One foreach decision from its columns' (each for a one-entry list)."""
-    first = columns[0].output_spec
+    first: Any = columns[0].sharding.output_spec
     output: Any = None
     if first is not None:
-        output = [spec for column in columns for spec in column.output_spec]  # type: ignore[union-attr]
+        specs: list[Any] = [column.sharding.output_spec for column in columns]
+        output = [spec for column in specs for spec in column]
         if isinstance(first, tuple):
             output = tuple(output)
-    moved = [c for c in columns if c.needs_redistribute]
-    if not moved:
+    if not any([column.sharding.needs_redistribute for column in columns]):
         return OutputSharding(output)
-    # The non-list operands are aligned the same way in every column (each has a RaggedShard
-    # entry): take their specs from a column that moved; each list entry's spec from its own
-    # column. Values that are not specs (scalars) are the caller's, as given.
-    template = moved[0].redistribute_schema
-    assert template is not None
+    # A list entry moves as its own column says; an operand outside the lists moves the same
+    # way in every column (each column has a RaggedShard entry); scalars stay as given.
     args: list[object] = []
     for position, arg in enumerate(schema.args_schema):
-        if position not in lists:
-            aligned = template.args_schema[position]
-            args.append(aligned if isinstance(arg, DTensorSpec) else arg)
-            continue
-        entries = []
-        for index, column in enumerate(columns):
-            entry = arg[index]  # type: ignore[index]
-            redistributed = column.redistribute_schema
-            if redistributed is not None and isinstance(entry, DTensorSpec):
-                entry = redistributed.args_schema[position][0]  # type: ignore[index]
-            entries.append(entry)
-        args.append(type(arg)(entries))  # type: ignore[call-arg]
-    kwargs = {
-        k: template.kwargs_schema[k] if isinstance(v, DTensorSpec) else v
-        for k, v in schema.kwargs_schema.items()
-    }
+        targets = [column.moved[position] for column in columns]
+        if position in lists:
+            entries = [t if t is not None else e for t, e in zip(targets, arg, strict=True)]  # type: ignore[call-overload]
+            args.append(type(arg)(entries))  # type: ignore[call-arg]
+        else:
+            args.append(next((t for t in targets if t is not None), arg))
+    kwargs = dict(schema.kwargs_schema)
+    for column in columns:
+        kwargs.update(column.moved_kwargs)
     target = OpSchema(schema.op, tuple(args), kwargs, schema_info=schema.schema_info)
     return OutputSharding(output, redistribute_schema=target, needs_redistribute=True)
 
 
-def _key_of(value: object) -> Hashable:
+def _key_of(value: object) -> object:
     """A value as far as a sharding decision can depend on it: numbers by their type only.
 
     An elementwise op's sharding does not depend on a scalar's value, and AdamW passes a
@@ -154,14 +178,14 @@ def _key_of(value: object) -> Hashable:
     """
     if isinstance(value, int | float | complex) and not isinstance(value, bool):
         return type(value)
-    return value  # type: ignore[return-value]
+    return value
 
 
-def _keys_of(values: Sequence[object]) -> Sequence[Hashable]:
+def _keys_of(values: Sequence[object]) -> Sequence[object]:
     """`_key_of` of a foreach list's entries (a list is all tensors or all scalars)."""
     if values and _key_of(values[0]) is not values[0]:
         return [v.__class__ for v in values]  # numbers (a ScalarList): by type
-    return values  # type: ignore[return-value]
+    return values
 
 
 def _static_key(schema: OpSchema, lists: tuple[int, ...]) -> Hashable | None:
