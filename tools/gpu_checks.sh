@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# GPU checks on a machine that has CUDA but no package index: runs the `gpu`-marked tests,
-# times each engine's step phases at one rank (tools/step_phases.py) and a short CUDA training
-# run of each engine, against the machine's own torch (no venv, no installs).
+# GPU checks on a machine that has CUDA but no package index: runs the `gpu`-marked tests, the
+# host-overhead bench at W=8 and 64 on the fake process group (both engines), then one-rank
+# step phases (tools/step_phases.py) and a short CUDA training run of each engine, against the
+# machine's own torch (no venv, no installs).
 # Usage: OUT=/some/dir bash tools/gpu_checks.sh
 set -uo pipefail
 OUT=${OUT:-build/gpu}
@@ -14,7 +15,10 @@ nvidia-smi -L
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
 timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests packages 2>&1 | tail -4
 echo "gpu tests: exit status ${PIPESTATUS[0]}"
-echo "== step phases, dense (one rank, bf16 params, default AdamW: foreach on CUDA)"
+echo "== host overhead per step, fake process group, W=8 and 64 (ours vs FSDP2, the README table)"
+timeout 420 python3 packages/fsdp-engine/benchmarks/bench_overhead.py --device cuda \
+  --out "$OUT/overhead.json" 2>&1 | grep -E "^\||cases in"
+echo "== step phases, dense (ONE rank: ours gathers nothing there; not the engine's speed)"
 timeout 120 python3 tools/step_phases.py --device cuda 2>&1 | grep -A2 "median"
 echo "== step phases, MoE 16 experts"
 timeout 120 python3 tools/step_phases.py --device cuda --experts 16 2>&1 | grep -A2 "median"

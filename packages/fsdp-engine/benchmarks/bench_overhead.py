@@ -403,11 +403,12 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     start = time.perf_counter()
     _print_header(args.device)
-    # Forked from this process, which has imported torch and our packages but run nothing.
+    # On CPU forked from this process, which has imported torch and our packages but run
+    # nothing (a spawned process would import them again for each case); CUDA needs spawn.
     torch.set_num_threads(1)
     import ragged_placement  # noqa: F401
 
-    spawn = mp.get_context("fork")
+    spawn = mp.get_context("spawn" if args.device == "cuda" else "fork")
     for world in worlds:
         for name in names:
             for dtype in dtypes:
