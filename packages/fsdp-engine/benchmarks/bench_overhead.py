@@ -259,7 +259,9 @@ def run_case(name: str, world: int, dtype: str, steps: int, device: str) -> dict
 
     times: dict[str, list[Phases]] = {run: [] for run in runs}
     for index in range(steps + 2):  # two warm-up steps
-        for run in runs:  # alternating, on the same routing
+        # Alternating on the same routing, each run first in turn (the machine's state
+        # drifts; no run always follows the same one).
+        for run in runs[index % len(runs) :] + runs[: index % len(runs)]:
             phases = step(run)
             if index >= 2:
                 times[run].append(phases)
@@ -387,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worlds", default="8,64", help="comma-separated world sizes")
     parser.add_argument("--cases", default=",".join(CASES), help=f"of {', '.join(CASES)}")
     parser.add_argument("--dtypes", default=",".join(DTYPES), help="bf16 (fp32 reduce), fp32")
-    parser.add_argument("--steps", type=int, default=7, help="timed steps per engine (>= 7)")
+    parser.add_argument("--steps", type=int, default=15, help="timed steps per engine (>= 7)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--out", default=str(ROOT / "build" / "bench" / "overhead.json"))
     args = parser.parse_args(argv)
