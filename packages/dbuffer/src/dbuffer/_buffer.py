@@ -39,6 +39,7 @@ from dbuffer._checks import (
     check_axis,
     check_block_rows,
     check_dtype,
+    check_grad,
     check_layout,
     check_tensors,
     rows_of,
@@ -412,30 +413,14 @@ class DBuffer:
             )
         ):
             for name, grad in zip(names, grads, strict=True):
-                self._check_grad(name, grad)
+                self._check_name(name)
+                check_grad(name, grad, shapes[name], self.device)
         self._wait_reduce()
         if len(set(names)) < len(names):  # a name twice: add in order, one at a time
             for name, grad in zip(names, grads, strict=True):
                 self._grad.accumulate([name], [grad])
             return
         self._grad.accumulate(names, grads)
-
-    def _check_grad(self, name: str, grad: object) -> None:
-        self._check_name(name)
-        shape = self._shapes[name]
-        if not isinstance(grad, torch.Tensor) or grad.shape != shape:
-            got = tuple(grad.shape) if isinstance(grad, torch.Tensor) else type(grad).__name__
-            raise ValueError(
-                f"accumulate_grad({name!r}): expected a tensor of shape {tuple(shape)}, got {got}"
-            )
-        if grad.device != self.device:
-            raise ValueError(
-                f"accumulate_grad({name!r}): gradient on {grad.device}, buffer on {self.device}"
-            )
-        if not (grad.is_floating_point() or grad.is_complex()):
-            raise TypeError(
-                f"accumulate_grad({name!r}): gradients must be floating point, got {grad.dtype}"
-            )
 
     def _wait_reduce(self) -> None:
         if self._pending_reduce is not None:

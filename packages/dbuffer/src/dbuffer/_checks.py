@@ -107,3 +107,20 @@ def check_align_bytes(align_bytes: object, itemsize: int) -> int:
             f"got {align_bytes!r}"
         )
     return align_bytes // itemsize
+
+
+def check_grad(name: str, grad: object, shape: torch.Size, device: torch.device) -> None:
+    """A full gradient for tensor `name`: a floating tensor of its shape, on the buffer's device."""
+    if not isinstance(grad, torch.Tensor) or grad.shape != shape:
+        got = tuple(grad.shape) if isinstance(grad, torch.Tensor) else type(grad).__name__
+        raise ValueError(
+            f"accumulate_grad({name!r}): expected a tensor of shape {tuple(shape)}, got {got}"
+        )
+    if grad.device != device:
+        raise ValueError(
+            f"accumulate_grad({name!r}): gradient on {grad.device}, buffer on {device}"
+        )
+    if not (grad.is_floating_point() or grad.is_complex()):
+        raise TypeError(
+            f"accumulate_grad({name!r}): gradients must be floating point, got {grad.dtype}"
+        )
