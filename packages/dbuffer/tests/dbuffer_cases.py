@@ -184,6 +184,7 @@ def check_gradient_accumulation() -> None:
     for name, g in bf16.items():
         assert torch.equal(buf.full_grad(name), g.float())
     expect_error(ValueError, lambda: buf.accumulate_grads(["w1"], []), "1 names but 0")
+    expect_error(TypeError, lambda: buf.accumulate_grads("w1", [bf16["w1"]]), "list of names")
     expect_error(KeyError, lambda: buf.accumulate_grads(["nope"], [torch.ones(1)]), "'nope'")
     expect_error(ValueError, lambda: buf.accumulate_grads(names[:1], [torch.ones(1, 2)]), "(1, 2)")
     expect_error(

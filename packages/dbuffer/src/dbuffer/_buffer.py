@@ -49,7 +49,7 @@ from dbuffer._freeable import FreeableBuffer, check_freed_default
 from dbuffer._grad_buffer import FullGradBuffer
 from dbuffer._handle import Handle
 from dbuffer._streams import current_stream, free_storage, record_event
-from ragged_placement import RaggedShard, with_local, with_locals
+from ragged_placement import RaggedShard, with_locals
 from shard_planner import Layout, TensorSpec, plan_layout
 
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}
@@ -177,8 +177,13 @@ class DBuffer:
 
     def _piece(self, name: str, storage: torch.Tensor) -> torch.Tensor:
         """This rank's piece of `name` in `storage` (`local` or `local_grad`)."""
-        lo, hi, empty_shape = self._pieces[name]
-        return storage[lo:hi] if empty_shape is None else storage[0:0].view(empty_shape)
+        (piece,) = self._pieces_of([name], storage)
+        return piece
+
+    def _pieces_of(self, names: list[str], storage: torch.Tensor) -> list[torch.Tensor]:
+        # A comprehension, no Python call per tensor: it runs for every parameter each step.
+        ranges = [self._pieces[name] for name in names]
+        return [storage[lo:hi] if s is None else storage[0:0].view(s) for lo, hi, s in ranges]
 
     def _make_sharded(self, name: str, storage: torch.Tensor) -> DTensor:
         piece = self._piece(name, storage)
@@ -196,13 +201,7 @@ class DBuffer:
     def sharded_grad(self, name: str) -> DTensor:
         """The reduced gradient of `name`, a RaggedShard DTensor viewing `local_grad`."""
         self._check_name(name)
-        view = self._sharded_grads.get(name)
-        if view is None:
-            # The parameter's spec over the gradient's piece: a DTensor per parameter per
-            # step, so built without from_local's checks (they hold for `local` already).
-            piece = self._piece(name, self.local_grad)
-            view = self._sharded_grads[name] = with_local(self._sharded[name], piece)
-        return view
+        return self._build_sharded_grads()[name]
 
     def sharded_grads(self) -> dict[str, DTensor]:
         """`sharded_grad(name)` of every tensor, by name (built together, in one pass).
@@ -212,17 +211,18 @@ class DBuffer:
             >>> grads["w"] is buf.sharded_grad("w")
             True
         """
+        return dict(self._build_sharded_grads())
+
+    def _build_sharded_grads(self) -> dict[str, DTensor]:
         views = self._sharded_grads
-        if len(views) < len(self._shapes):
-            # Once per step for every parameter of an FSDP group: one DTensor each, and no
-            # other Python call per tensor.
-            grad = self.local_grad
-            names = [name for name in self._shapes if name not in views]
-            ranges = [self._pieces[name] for name in names]
-            pieces = [grad[lo:hi] if s is None else grad[0:0].view(s) for lo, hi, s in ranges]
+        if not views:
+            # Each parameter's spec over its piece of `local_grad`, all at once (from_local's
+            # checks hold for `local` already): once per step for every parameter of a group.
+            names = list(self._shapes)
+            pieces = self._pieces_of(names, self.local_grad)
             made = with_locals([self._sharded[name] for name in names], pieces)
             views.update(zip(names, made, strict=True))
-        return dict(views)
+        return views
 
     @property
     def local_grad(self) -> torch.Tensor:
@@ -397,6 +397,12 @@ class DBuffer:
             >>> torch.equal(buf.full_grad("b"), grad_b)
             True
         """
+        given: tuple[object, object] = (names, grads)  # callers may pass anything
+        if isinstance(given[0], str) or isinstance(given[1], torch.Tensor):
+            raise TypeError(
+                "accumulate_grads takes a list of names and a list of gradients; for one "
+                "tensor use accumulate_grad(name, grad)"
+            )
         names, grads = list(names), list(grads)
         if len(names) != len(grads):
             raise ValueError(f"accumulate_grads: {len(names)} names but {len(grads)} gradients")
