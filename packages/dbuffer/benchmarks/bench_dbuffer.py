@@ -143,7 +143,10 @@ def _measure(
     ours_wire = buf.shard_size * 4 * (world - 1) / 1e6
     fsdp2_wire = fsdp2.input_numel * 4 * (world - 1) / 1e6
     times = f"{o * 1e3:>9.1f} {f * 1e3:>10.1f} {o / f:>7.3f}"
-    ours_copied = 4 * numel  # the gradient copy; the parameters are gathered in place
+    # The gradient copy, and on gloo this rank's shard out of the in-place all-reduce (gloo's
+    # reduce-scatter, which FSDP2 calls, clones the whole input inside the collective
+    # instead: not counted here). The parameters are gathered in place.
+    ours_copied = 4 * (numel + buf.shard_size)
     volumes = (
         f"{ours_copied / 1e6:>11.1f}M {fsdp2.copied / 1e6:>11.1f}M "
         f"{ours_wire:>9.1f}M {fsdp2_wire:>9.1f}M"

@@ -496,6 +496,15 @@ def _ours(prof: object, marker: str) -> list[object]:
     return picked
 
 
+def _within(event: object, marker: str) -> bool:
+    parent = event.cpu_parent  # type: ignore[attr-defined]
+    while parent is not None:
+        if parent.name == marker:
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
 def check_zero_copy(mixed: bool) -> dict[str, int]:
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -515,7 +524,10 @@ def check_zero_copy(mixed: bool) -> dict[str, int]:
         with record_function("reduce_scatter"):
             buf.reduce_scatter().wait()
     unshard, reduce = _ours(prof, "unshard"), _ours(prof, "reduce_scatter")
-    copies = [f"{e.name}{e.input_shapes}" for e in unshard + reduce if e.name in _COPY_OPS]
+    copies = [f"{e.name}{e.input_shapes}" for e in unshard if e.name in _COPY_OPS]
+    reduce_copies = [e.input_shapes for e in reduce if e.name in _COPY_OPS]
+    # Inside the collective too: gloo's own reduce-scatter clones its whole input.
+    clones = [e for e in prof.events() if e.name == "aten::clone" and _within(e, "reduce_scatter")]
     allocating_ops = [f"{e.name}{e.input_shapes}" for e in unshard if e.name in _ALLOC_OPS]
     # Views point into the buffers: one storage of exactly the global buffer's size.
     storage = global_storage.data_ptr()
@@ -529,6 +541,9 @@ def check_zero_copy(mixed: bool) -> dict[str, int]:
     )
     return {
         "copies": copies,
+        "reduce_copies": reduce_copies,
+        "reduce_clones": len(clones),
+        "shard_size": buf.shard_size,
         "allocating_ops": allocating_ops,
         # The one allocation of an unshard: the global storage growing back (no op allocates).
         "storage_bytes": [before, global_storage.size()],

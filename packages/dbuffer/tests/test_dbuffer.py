@@ -72,12 +72,16 @@ def test_bad_input(pools, world) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_unshard_and_reduce_scatter_make_no_copies(pools, world) -> None:
-    # Outside the collectives themselves (gloo stages data internally), unshard and
-    # reduce_scatter run no copy kernel; mixed precision adds exactly the one cast.
+    # Outside the collective itself (gloo stages data internally), unshard runs no copy
+    # kernel; mixed precision adds exactly the one cast. On gloo the reduce all-reduces the
+    # gradient buffer in place (gloo's reduce-scatter would clone all of it first) and
+    # copies this rank's S elements out: one copy of S, no clone.
     for mixed, expected in ((False, 0), (True, 1)):
         results = pools[world].run(cases.check_zero_copy, mixed)
         for r in results:
             assert len(r["copies"]) == expected, r
+            assert r["reduce_copies"] == [[[r["shard_size"]], [r["shard_size"]], []]], r
+            assert r["reduce_clones"] == 0, r
             assert r["allocating_ops"] == [], r
             # One allocation per unshard: the global buffer's storage growing back.
             assert r["storage_bytes"] == [0, r["buffer_bytes"]], r

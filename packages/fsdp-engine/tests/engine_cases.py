@@ -583,11 +583,18 @@ def check_copies(engine: str) -> dict[str, Any]:
     batches = [b[0] for b in _batches(2, 1)]
     _steps(model, opt, batches[:1])  # warm-up: lazy init, first allocations
     copies = engine_copies(lambda: _steps(model, opt, batches[1:]))
+    buffers = (
+        [b for s in (model, *model.layers) for b in s._fsdp_engine_state.group.buffers]
+        if engine == "ours"
+        else []
+    )
     return {
         "kernels": {name: c.kernels for name, c in copies.items()},
         "bytes": {name: c.bytes for name, c in copies.items()},
         "param_bytes": sum(p.numel() * 4 for p in model.parameters()),
         "num_params": sum(1 for _ in model.parameters()),
+        "num_buffers": len(buffers),
+        "shard_bytes": sum(b.local.numel() * 4 for b in buffers),
     }
 
 

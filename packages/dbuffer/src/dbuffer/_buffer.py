@@ -56,6 +56,37 @@ _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}
 _PLAIN_TENSORS = {torch.Tensor, torch.nn.Parameter}  # what autograd hands out as gradients
 
 
+def _split_plan(
+    pieces: Mapping[str, tuple[int, int, torch.Size | None]], size: int
+) -> tuple[list[int], dict[str, int]]:
+    """How one `split` cuts a shard of `size` elements into its tensors' pieces.
+
+    Returns the split sizes (pieces and the gaps between them) and, per non-empty tensor,
+    the index of its piece among the chunks.
+    """
+    sizes: list[int] = []
+    at: dict[str, int] = {}
+    end = 0
+    ranges = sorted((lo, hi, n) for n, (lo, hi, shape) in pieces.items() if shape is None)
+    for lo, hi, name in ranges:
+        if lo < end:
+            raise AssertionError(f"pieces overlap at {name!r}: [{lo}, {hi}) starts before {end}")
+        if lo > end:
+            sizes.append(lo - end)
+        at[name] = len(sizes)
+        sizes.append(hi - lo)
+        end = hi
+    if end < size:
+        sizes.append(size - end)
+    return sizes, at
+
+
+def _cpu_backend_is_gloo(group: dist.ProcessGroup) -> bool:
+    """Whether CPU tensors on `group` go through gloo (alone, or beside a device backend)."""
+    backend = str(dist.get_backend(group))
+    return backend == "gloo" or "cpu:gloo" in backend
+
+
 class DBuffer:
     """Tensors of one dtype and device, planned into one evenly sharded buffer.
 
@@ -122,6 +153,10 @@ class DBuffer:
         check_layout(self.layout, specs, world)
         self._rank = mesh.get_local_rank(self.shard_dim)
         self._group = mesh.get_group(self.shard_dim)
+        # Gloo's reduce-scatter all-reduces a clone of its input and copies out one chunk.
+        # Reducing our own buffer in place does the same arithmetic and traffic without the
+        # clone, which would otherwise stay live (as large as the buffer) until the wait.
+        self._reduce_in_place = self.device.type == "cpu" and _cpu_backend_is_gloo(self._group)
         size = self.layout.shard_size
         self.local = torch.zeros(size, dtype=self.dtype, device=self.device)
         self.copy_(dict(tensors))
@@ -132,6 +167,7 @@ class DBuffer:
             else (*self.layout.local_range(name, self._rank), None)
             for name, t in tensors
         }
+        self._split_sizes, self._split_at = _split_plan(self._pieces, size)
         self._sharded = {name: self._make_sharded(name, self.local) for name, _ in tensors}
         # Global (unsharded) buffers by dtype, and the unshards still in flight into them.
         self._global: dict[torch.dtype, FreeableBuffer] = {}
@@ -181,9 +217,14 @@ class DBuffer:
         return piece
 
     def _pieces_of(self, names: list[str], storage: torch.Tensor) -> list[torch.Tensor]:
-        # A comprehension, no Python call per tensor: it runs for every parameter each step.
-        ranges = [self._pieces[name] for name in names]
-        return [storage[lo:hi] if s is None else storage[0:0].view(s) for lo, hi, s in ranges]
+        # One split cuts every piece (a slice each costs 4x more); it runs for every
+        # parameter each step. Empty tensors get an empty view of their own shape.
+        chunks = torch.split_with_sizes(storage, self._split_sizes)
+        at, pieces = self._split_at, self._pieces
+        return [
+            chunks[at[name]] if name in at else storage[0:0].view(pieces[name][2])  # type: ignore[arg-type]
+            for name in names
+        ]
 
     def _make_sharded(self, name: str, storage: torch.Tensor) -> DTensor:
         piece = self._piece(name, storage)
@@ -479,18 +520,25 @@ class DBuffer:
         # In a reduce dtype the collective reads a cast copy and writes a temporary; both
         # stay referenced by the handle until the collective is done.
         send = grad if reduce_dtype in (None, self.dtype) else grad.to(reduce_dtype)
-        overwrite = send.dtype == self.dtype and not accumulate
-        if overwrite and self._local_grad is None:  # every element is written: no zeroing
-            self._local_grad = torch.empty_like(self.local)
-        out = (
-            self.local_grad
-            if overwrite
-            else torch.empty(self.shard_size, dtype=send.dtype, device=self.device)
-        )
         works: list[dist.Work | None] = []
-        if self._group.size() == 1:
-            out.copy_(send)
+        temps = [] if send is grad else [send]
+        if self._group.size() == 1 or self._reduce_in_place:
+            # `send` ends up holding the reduced sums; `finish` reads this rank's chunk.
+            if self._group.size() > 1:
+                with profiler_range("DBuffer::reduce_scatter"):
+                    works.append(
+                        dist.all_reduce(send, op=_OPS[op], group=self._group, async_op=async_op)
+                    )
+            out = send.narrow(0, self._rank * self.shard_size, self.shard_size)
         else:
+            overwrite = send.dtype == self.dtype and not accumulate
+            if overwrite and self._local_grad is None:  # every element is written: no zeroing
+                self._local_grad = torch.empty_like(self.local)
+            if overwrite:
+                out = self.local_grad
+            else:
+                out = torch.empty(self.shard_size, dtype=send.dtype, device=self.device)
+                temps.append(out)
             with profiler_range("DBuffer::reduce_scatter"):
                 works.append(
                     reduce_scatter_single(
@@ -500,15 +548,16 @@ class DBuffer:
         alloc_stream = current_stream(self.device)
 
         def finish() -> None:
+            if not accumulate and self._local_grad is None:  # overwritten: no zeroing
+                self._local_grad = torch.empty_like(self.local)
             if out is not self.local_grad:
                 if accumulate:
                     self.local_grad.add_(out)
                 else:
                     self.local_grad.copy_(out)
-                # The temporaries were allocated on the issuing stream; order their reuse.
-                for temp in (send, out):
-                    if temp is not grad:
-                        free_storage(temp, alloc_stream)
+            # The temporaries were allocated on the issuing stream; order their reuse.
+            for temp in temps:
+                free_storage(temp, alloc_stream)
             self._grad.free()
             self._pending_reduce = None
 
