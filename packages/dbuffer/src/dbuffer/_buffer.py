@@ -12,8 +12,9 @@ Memory model (see DESIGN.md, "DBuffer"):
 - Gradients: one global grad buffer holds every full gradient at its offset
   (`accumulate_grad(name, grad)`, or accumulate by hand into the view `full_grad(name)`);
   `reduce_scatter()` reduces it straight into `local_grad`, whose views are the sharded
-  gradients, then frees it (`_grad_buffer.py`); `all_reduce()` then averages them over the
-  replicate axis (HSDP).
+  gradients, then frees it (`_grad_buffer.py`); on gloo, whose reduce-scatter all-reduces a
+  clone of its input, it all-reduces the buffer in place and copies this rank's S elements
+  out instead. `all_reduce()` then averages them over the replicate axis (HSDP).
 - Freed memory: `full()` raises while resharded, and a backward that needs a view autograd
   saved raises autograd's version error while its memory is freed; with `check_freed` every
   op on a view checks too (`_freeable.py`, `_views.py`). On CUDA frees are ordered with
