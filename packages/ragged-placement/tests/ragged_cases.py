@@ -428,6 +428,12 @@ def check_foreach_decisions(units: tuple[int, ...]) -> None:
         schema = dispatcher.unwrap_to_op_info(op, tuple(subset), kwargs).schema
         assert decisions.decide(schema, meta).output_spec == propagate(schema, meta).output_spec
         assert decisions.num_propagations == 3, op
+        # Decisions found by the entries' identity equal the propagated ones, also when the
+        # identity table is cleared at every call (bounded to fewer entries than one list).
+        small = ShardingDecisions(max_columns_by_id=1)
+        for _ in range(3):
+            assert small.decide(schema, meta).output_spec == propagate(schema, meta).output_spec
+        assert small.num_propagations == 2, op  # the subset: 2 distinct shapes
     # AdamW + clip where a different subset of parameters has a gradient every step.
     refs = [torch.nn.Parameter(f.clone()) for f in fulls]
     params = [torch.nn.Parameter(r.detach().clone()) for r in ragged]

@@ -5,11 +5,13 @@ lists), so decisions are cached as torch caches its own: by the op schema (the i
 and the static arguments). For `_foreach_*` ops that alone is not enough: their schema holds
 one spec per list entry, and the list changes whenever the set of parameters with a gradient
 does (MoE experts that got no token in a step have none). Every entry of an elementwise or
-norm foreach op is decided on its own, so a whole-schema miss is answered from a cache of
-one-entry ("column") decisions, and fake propagation runs only for a column never seen.
+norm foreach op is decided on its own, so a foreach op is answered from a cache of one-entry
+("column") decisions, and fake propagation runs only for a column never seen. Columns are
+found by the entries' identity first: equal specs of distinct parameters would otherwise cost
+a Python `__eq__` and `__hash__` per entry (DTensorSpec's run in Python).
 
-The whole-schema cache is bounded (least recently used entries go first): with a different
-set of experts every step, a new foreach schema arrives every step.
+The whole-schema cache is bounded (least recently used entries go first), and so is the
+identity table (cleared when full; the columns by value stay).
 """
 
 from __future__ import annotations
@@ -34,12 +36,21 @@ class ShardingDecisions:
 
     Args:
         max_schemas: Whole schemas kept (least recently used dropped first).
+        max_columns_by_id: Foreach entries remembered by identity (all dropped when full).
     """
 
-    def __init__(self, max_schemas: int = 2048) -> None:
+    def __init__(self, max_schemas: int = 2048, max_columns_by_id: int = 1 << 16) -> None:
         self.max_schemas = max_schemas
+        self.max_columns_by_id = max_columns_by_id
         self._schemas: OrderedDict[OpSchema, OutputSharding] = OrderedDict()
-        self._columns: dict[Hashable, _Column] = {}
+        # Per static key (op and non-list arguments): column key -> decision.
+        self._columns: dict[Hashable, dict[Hashable, _Column]] = {}
+        # The same by the column key's identity: many parameters' specs are equal but distinct
+        # objects, and DTensorSpec's __eq__ and __hash__ run in Python. `id(key) -> key` keeps
+        # each key alive while it is here, so an id cannot be reused for another object.
+        self._keys_by_id: dict[Hashable, dict[object, object]] = {}
+        self._columns_by_id: dict[Hashable, dict[object, _Column]] = {}
+        self._num_by_id = 0
         self.num_propagations = 0  # fake-tensor propagations run (for tests and benchmarks)
 
     def decide(
@@ -48,17 +59,19 @@ class ShardingDecisions:
         """The output sharding of `schema`; `cacheable` False (tracing) always propagates."""
         if not cacheable:
             return self._propagate(schema, tensor_meta)
+        lists = _list_positions(schema)
+        static = _static_key(schema, lists) if lists and is_columnwise(schema.op) else None
+        if static is not None:
+            # Straight to the columns: a whole foreach schema rarely repeats here (C++ answers
+            # the ones that do), and hashing one costs a Python call per entry.
+            sharding = self._by_column(schema, lists, static, tensor_meta)
+            if sharding is not None:
+                return sharding
         found = self._schemas.get(schema)
         if found is not None:
             self._schemas.move_to_end(schema)
             return found
-        lists = _list_positions(schema)
-        static = _static_key(schema, lists) if lists and is_columnwise(schema.op) else None
-        sharding = None
-        if static is not None:
-            sharding = self._by_column(schema, lists, static, tensor_meta)
-        if sharding is None:
-            sharding = self._propagate(schema, tensor_meta)
+        sharding = self._propagate(schema, tensor_meta)
         self._schemas[schema] = sharding
         if len(self._schemas) > self.max_schemas:
             self._schemas.popitem(last=False)
@@ -77,29 +90,49 @@ class ShardingDecisions:
     ) -> OutputSharding | None:
         """The decision joined from its columns', or None if a column has no RaggedShard."""
         args = schema.args_schema
-        # One pass per list, no Python call per entry on a hit: this runs for every foreach op
-        # of an optimizer step whose set of parameters changed.
+        # No Python call per entry when every key was seen as this very object (C-level maps
+        # and an identity-first list compare): this runs for every foreach op of an optimizer
+        # step whose set of parameters changed.
         entries = [_keys_of(args[i]) for i in lists]  # type: ignore[arg-type]
-        get = self._columns.get
-        columns = []
-        for index, column_key in enumerate(zip(*entries, strict=True)):
-            key = (static, column_key)
-            column = get(key)
-            if column is None:
+        if len(entries) == 1:
+            keys: list[Any] = list(entries[0])
+            ids: list[Any] = list(map(id, keys))
+        else:
+            keys = list(zip(*entries, strict=True))
+            ids = list(zip(*[map(id, e) for e in entries], strict=True))
+        keys_by_id = self._keys_by_id.setdefault(static, {})
+        if list(map(keys_by_id.get, ids)) == keys:
+            return _join(schema, lists, list(map(self._columns_by_id[static].__getitem__, ids)))
+        table = self._columns.setdefault(static, {})
+        columns: list[_Column | None] = list(map(table.get, keys))
+        if None in columns:  # identity comparisons only: _Column compares by identity
+            for index, column in enumerate(columns):
+                if column is not None or (column := table.get(keys[index])) is not None:
+                    columns[index] = column  # an equal entry earlier in this same list
+                    continue
                 if not any(has_ragged(args[i][index]) for i in lists):  # type: ignore[index]
                     return None  # torch's own rule decides this entry: not per column
                 one = tuple([a[index]] if i in lists else a for i, a in enumerate(args))  # type: ignore[index]
                 single = OpSchema(
                     schema.op, one, schema.kwargs_schema, schema_info=schema.schema_info
                 )
-                column = self._columns[key] = _Column.of(
+                columns[index] = table[keys[index]] = _Column.of(
                     single, lists, self._propagate(single, tensor_meta)
                 )
-            columns.append(column)
-        return _join(schema, lists, columns) if columns else None
+        if self._num_by_id + len(ids) > self.max_columns_by_id:
+            self._keys_by_id.clear()
+            self._columns_by_id.clear()
+            keys_by_id = self._keys_by_id.setdefault(static, {})
+            self._num_by_id = 0
+        columns_by_id = self._columns_by_id.setdefault(static, {})
+        before = len(keys_by_id)
+        keys_by_id.update(zip(ids, keys, strict=True))
+        columns_by_id.update(zip(ids, columns, strict=True))  # type: ignore[arg-type]
+        self._num_by_id += len(keys_by_id) - before
+        return _join(schema, lists, columns) if columns else None  # type: ignore[arg-type]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Column:
     """The decision for one entry of a foreach op, and which of its specs must move.
 
