@@ -8,6 +8,8 @@ AdamW + clip_grad_norm_, the losses and every parameter must agree.
 from __future__ import annotations
 
 import copy
+import dataclasses
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -535,46 +537,174 @@ def _assert_state_equal(got: dict[str, Any], expected: dict[str, Any]) -> None:
             assert torch.equal(got["optim"]["state"][fqn][key], value), (fqn, key)
 
 
+def _init_weights(model: nn.Module) -> None:
+    """The torchtitan / transformers flow after to_empty: each module's own reset, then
+    nn.init calls of the model's (the same calls, in the same order, on any world size)."""
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            nn.init.ones_(param)
+        elif "attn" in name:
+            nn.init.trunc_normal_(param, std=0.02, a=-0.04, b=0.04)
+
+
 def check_meta_init() -> dict[str, int]:
-    """Meta-device model -> fully_shard -> to_empty -> init: peak memory is about one shard.
-
-    Initialization runs on each rank's pieces (`local_view`), with a generator per rank.
-    """
-    from ragged_placement import local_view
-
-    world, rank = dist.get_world_size(), dist.get_rank()
+    """Meta-device model -> fully_shard -> to_empty -> the model's own init: the parameters
+    equal one process's init with the same seed, and the peak is about one shard (plus one
+    full parameter at a time: a random fill draws the whole tensor on every rank)."""
+    world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     cfg = Config(vocab=2048, dim=256, num_heads=4, num_layers=4, hidden=688)
     with torch.device("meta"):
         model = Decoder(cfg)
+        reference = Decoder(cfg)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
 
     def build() -> None:
         for layer in model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         model.to_empty(device="cpu")
-        gen = torch.Generator().manual_seed(rank)
-        with torch.no_grad():
-            for param in model.parameters():
-                if param.dim() == 2:
-                    local_view(param).normal_(std=0.02, generator=gen)
-                else:
-                    param.fill_(1.0)
+        torch.manual_seed(0)
+        _init_weights(model)
 
     peak = peak_live_bytes(build)
     shard_bytes = sum(
         s._fsdp_engine_state.group.buffers[0].local.numel() * 4 for s in (model, *model.layers)
     )
-    for param in model.parameters():
+    reference.to_empty(device="cpu")
+    torch.manual_seed(0)
+    _init_weights(reference)
+    expected = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
         assert not param.is_meta and param.device.type == "cpu"
-    # Only the shard and small temporaries (the gradient shard is made at the first reduce).
-    assert peak <= shard_bytes + 256 * 1024, (peak, shard_bytes, model_bytes)
+        assert torch.equal(param.full_tensor(), expected[name]), name
+    # The shard, one full parameter and its piece, and small temporaries (the gradient
+    # shard is made at the first reduce).
+    assert peak <= shard_bytes + 2 * largest + 256 * 1024, (peak, shard_bytes, largest)
     if world > 1:
         assert peak < model_bytes, (peak, model_bytes)
     tokens = torch.randint(0, cfg.vocab, (2, SEQ))
     loss_fn(model(tokens), tokens).backward()  # the initialized model trains
     return {"peak": peak, "shard_bytes": shard_bytes, "model_bytes": model_bytes}
+
+
+@dataclasses.dataclass
+class _DataclassOutput:
+    loss: torch.Tensor
+    hidden: torch.Tensor
+
+
+class _DictOutput(dict):  # type: ignore[type-arg]
+    """A dict subclass torch's pytree does not know."""
+
+
+class _RegisteredOutput(OrderedDict):  # type: ignore[type-arg]
+    """Like transformers' ModelOutput: an OrderedDict with attribute access, registered with
+    torch's pytree (transformers registers every ModelOutput class)."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError as exc:
+            raise AttributeError(name) from exc
+
+
+torch.utils._pytree.register_pytree_node(
+    _RegisteredOutput,
+    lambda out: (list(out.values()), list(out.keys())),
+    lambda values, keys: _RegisteredOutput(zip(keys, values, strict=True)),
+)
+_OUTPUTS = {"dataclass": _DataclassOutput, "dict": _DictOutput, "registered": _RegisteredOutput}
+
+
+class _Block(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        hidden = torch.tanh(self.lin(x))
+        return _OUTPUTS[self.kind](loss=hidden.square().mean(), hidden=hidden)
+
+
+class _TwoBlocks(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.first, self.second = _Block(kind), _Block(kind)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        out = self.second(_hidden(self.first(x)))
+        return type(out)(loss=_loss(out) + _loss(self.first(x)), hidden=_hidden(out))
+
+
+def _hidden(out: Any) -> torch.Tensor:
+    return out.hidden if isinstance(out, _DataclassOutput | _RegisteredOutput) else out["hidden"]
+
+
+def _loss(out: Any) -> torch.Tensor:
+    return out.loss if isinstance(out, _DataclassOutput | _RegisteredOutput) else out["loss"]
+
+
+def check_output_containers(kind: str) -> None:
+    """Module outputs that are dataclasses, dict subclasses or pytree-registered classes (what
+    transformers' models return) keep their class, get their backward hooks (the gradients
+    equal one process's), and keep it under no_grad with an output dtype."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    reference = _TwoBlocks(kind)
+    model = copy.deepcopy(reference)
+    for block in (model.first, model.second):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    out, expected = model(x), reference(x)
+    assert type(out) is _OUTPUTS[kind] and type(model.first(x)) is _OUTPUTS[kind]
+    torch.testing.assert_close(_loss(out), _loss(expected))
+    _loss(out).backward()
+    _loss(expected).backward()
+    grads = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        assert param.grad is not None, name
+        torch.testing.assert_close(param.grad.full_tensor(), grads[name].grad, msg=name)
+    policy = MixedPrecisionPolicy(output_dtype=torch.float64)
+    cast = copy.deepcopy(reference).first
+    fully_shard(cast, mesh=mesh, mp_policy=policy)
+    with torch.no_grad():
+        cast_out = cast(x)
+    assert type(cast_out) is _OUTPUTS[kind] and _hidden(cast_out).dtype == torch.float64
+    # Every module fully_shard manages carries the flag torch's fully_shard sets (transformers'
+    # is_fsdp_managed_module, dynamo).
+    assert all(m._is_fsdp_managed_module for m in model.modules())
+
+
+def check_load_full_state_dict() -> None:
+    """Pretrained weights from rank 0 only (set_model_state_dict with broadcast_from_rank0),
+    into a sharded model built on meta: every parameter equals the source."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(1)
+    source = Decoder(Config())
+    full = {k: v.clone() for k, v in source.state_dict().items()}
+    with torch.device("meta"):
+        model = Decoder(Config())
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    given = dict(full) if dist.get_rank() == 0 else {}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, given, options=options)
+    for name, param in model.named_parameters():
+        assert isinstance(param, DTensor) and isinstance(param.placements[0], RaggedShard)
+        assert torch.equal(param.full_tensor(), full[name]), name
+    tokens = torch.randint(0, Config().vocab, (2, SEQ))
+    torch.testing.assert_close(model(tokens), source(tokens))
 
 
 def check_copies(engine: str) -> dict[str, Any]:

@@ -45,3 +45,32 @@ def test_profiler_range_only_under_a_profiler() -> None:
     with profile() as prof, _compat.profiler_range("FSDP::test"):
         torch.ones(2).sum()
     assert any(e.name == "FSDP::test" for e in prof.events())
+
+
+def test_map_tensors_keeps_every_container_class() -> None:
+    import collections
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class Pair:
+        a: torch.Tensor
+        b: object
+
+    class Custom(dict):  # a dict subclass pytree does not know
+        pass
+
+    Point = collections.namedtuple("Point", ["x", "y"])
+    one = torch.ones(2)
+    tree = (
+        [one, 3],
+        {"p": Pair(one, "text"), "c": Custom(t=one)},
+        collections.OrderedDict(n=Point(one, None)),
+    )
+    out = _compat.map_tensors(tree, lambda t: t * 2)
+    assert type(out) is tuple and type(out[0]) is list and out[0][1] == 3
+    assert type(out[1]["p"]) is Pair and out[1]["p"].b == "text"
+    assert type(out[1]["c"]) is Custom and type(out[2]) is collections.OrderedDict
+    assert type(out[2]["n"]) is Point and out[2]["n"].y is None
+    for doubled in (out[0][0], out[1]["p"].a, out[1]["c"]["t"], out[2]["n"].x):
+        assert torch.equal(doubled, one * 2)
+    assert torch.equal(tree[1]["c"]["t"], one)  # the input is not modified

@@ -54,11 +54,22 @@ def test_checkpoint_reshards_and_interoperates_with_fsdp2(pools, tmp_path, saver
         pools[world].run(cases.check_checkpoint_load, str(tmp_path), loader, False)
 
 
-@pytest.mark.parametrize("world", [1, 4])
-def test_meta_device_init_allocates_one_shard(pools, world) -> None:
+@pytest.mark.parametrize("world", [1, 3, 4])
+def test_meta_device_init_equals_one_process_and_allocates_one_shard(pools, world) -> None:
     for r in pools[world].run(cases.check_meta_init):
         peak, shard, model = r["peak"], r["shard_bytes"], r["model_bytes"]
         print(f"world {world}: peak {peak} B, shard {shard} B, model {model} B")
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_outputs_keep_their_class_and_hooks(pools, world) -> None:
+    for kind in ("dataclass", "dict", "registered"):
+        pools[world].run(cases.check_output_containers, kind)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_load_full_state_dict_from_rank0(pools, world) -> None:
+    pools[world].run(cases.check_load_full_state_dict)
 
 
 @pytest.mark.parametrize("world", [2, 3])

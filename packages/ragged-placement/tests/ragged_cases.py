@@ -457,6 +457,101 @@ def check_foreach_decisions(units: tuple[int, ...]) -> None:
         torch.testing.assert_close(param.full_tensor(), ref.detach())
 
 
+# -- random fills and full state dicts (model initialisation and loading) ---------------------
+
+
+def _init_fills() -> list[Any]:
+    """What nn.init and models' own init functions run, in place, on a parameter."""
+    from torch import nn
+
+    return [
+        lambda t: nn.init.normal_(t, 0.0, 0.02),
+        lambda t: nn.init.uniform_(t, -0.5, 0.5),
+        lambda t: nn.init.trunc_normal_(t, std=0.02, a=-0.04, b=0.04),
+        lambda t: nn.init.kaiming_uniform_(t, a=math.sqrt(5)),
+        lambda t: nn.init.xavier_normal_(t),
+        lambda t: t.bernoulli_(0.3),
+    ]
+
+
+def check_random_fills(placements_kind: str, units: tuple[int, ...]) -> None:
+    """A random fill of a RaggedShard DTensor equals the same fill of the full tensor in one
+    process (same seed), so it does not depend on the world size or the layout."""
+    if placements_kind == "tp":  # (fsdp, tp) mesh: RaggedShard beside Shard(1)
+        mesh = init_device_mesh("cpu", (2, 2))
+        placements: list[Any] = [RaggedShard((0,), units), Shard(1)]
+        shape: tuple[int, ...] = (4 * sum(units), 6)
+    else:
+        mesh = _mesh()
+        placements = [RaggedShard((0,), units)]
+        shape = (3 * sum(units), 5)
+    for index, fill in enumerate(_init_fills()):
+        for dtype in (torch.float32, torch.bfloat16):
+            ref = torch.zeros(shape, dtype=dtype)
+            dt = distribute_tensor(ref.clone(), mesh, placements, src_data_rank=None)
+            torch.manual_seed(100 + index)
+            fill(ref)
+            torch.manual_seed(100 + index)
+            fill(dt)
+            assert torch.equal(dt.full_tensor(), ref), (index, dtype, units)
+            assert dt.placements == tuple(placements)
+    # `any` steers control flow (trunc_normal_'s rejection loop): the same answer on every
+    # rank, also on a rank whose piece is empty or has no True.
+    hits = torch.zeros(shape, dtype=torch.bool)
+    hits[-1, -1] = True  # in the last rank's piece, or the last non-empty one
+    for mask, expected in ((hits, True), (torch.zeros_like(hits), False)):
+        got = distribute_tensor(mask, mesh, placements, src_data_rank=None).any()
+        assert bool(got) is expected and got.placements == (Replicate(),) * mesh.ndim
+    # A user's generator: the same state on every rank gives one process's values.
+    ref = torch.zeros(shape)
+    dt = distribute_tensor(ref.clone(), mesh, placements, src_data_rank=None)
+    ref.normal_(generator=torch.Generator().manual_seed(3))
+    dt.normal_(generator=torch.Generator().manual_seed(3))
+    assert torch.equal(dt.full_tensor(), ref)
+    # Random ops other than those fills would differ per rank: refused, naming the op.
+    expect_error(NotImplementedError, lambda: dt.exponential_(), "exponential_")
+    expect_error(NotImplementedError, lambda: torch.rand_like(dt), "in-place fills")
+    # On the meta device (before to_empty) a fill is a no-op, not an error.
+    meta = distribute_tensor(torch.empty(shape, device="meta"), mesh, placements)
+    meta.uniform_()
+    assert meta.is_meta
+
+
+def check_load_full_state_dict(broadcast: bool, units: tuple[int, ...]) -> None:
+    """set_model_state_dict with a full state dict (from rank 0 only, with broadcast_from_rank0)
+    into a module whose parameters are RaggedShard DTensors: each gets its piece."""
+    from torch import nn
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    mesh = _mesh()
+    rows = 2 * sum(units)
+    torch.manual_seed(0)
+    source = nn.Sequential(nn.Linear(3, rows), nn.Linear(rows, rows, bias=False))
+    full = {k: v.detach().clone() for k, v in source.state_dict().items()}
+    model = nn.Sequential(nn.Linear(3, rows), nn.Linear(rows, rows, bias=False))
+    for module in model:
+        for name, param in list(module.named_parameters(recurse=False)):
+            zeros = torch.zeros_like(param)
+            ragged = distribute_tensor(zeros, mesh, [RaggedShard((0,), units)], src_data_rank=None)
+            setattr(module, name, nn.Parameter(ragged))
+    # torch replaces the given dict's entries with what it loaded: give it a copy.
+    given = dict(full) if (not broadcast or dist.get_rank() == 0) else {}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast)
+    set_model_state_dict(model, given, options=options)
+    for name, param in model.named_parameters():
+        assert isinstance(param, DTensor) and isinstance(param.placements[0], RaggedShard)
+        assert torch.equal(param.full_tensor(), full[name]), (name, broadcast, units)
+    # A tensor of another shape: an error on every rank (from torch, or from the piece cut
+    # after the broadcast), not a hang or a silent partial load.
+    bad = {**full, "0.weight": torch.zeros(rows, 4)}
+    expected = f"shape ({rows}, 4) into a DTensor of shape ({rows}, 3)"
+    error: type[Exception] = ValueError
+    if not broadcast:
+        expected, error = "size mismatch for 0.weight", RuntimeError
+    given = dict(bad) if (not broadcast or dist.get_rank() == 0) else {}
+    expect_error(error, lambda: set_model_state_dict(model, given, options=options), expected)
+
+
 # -- meshes with more than one axis ------------------------------------------------------------
 
 

@@ -39,7 +39,14 @@ def test_every_binding_of_a_redirected_function_reaches_the_wrapper() -> None:
     assert dtensor_dispatch.redistribute_local_tensor is redistribute
     assert dtensor_api.redistribute_local_tensor is redistribute
     assert dtensor_pkg.distribute_tensor is dtensor_api.distribute_tensor
-    for fn in (redistribute, dtensor_api.distribute_tensor, dtensor_pkg.DTensor.from_local):
+    import torch.distributed._state_dict_utils as state_dict_utils
+
+    for fn in (
+        redistribute,
+        dtensor_api.distribute_tensor,
+        dtensor_pkg.DTensor.from_local,
+        state_dict_utils._distribute_tensors,  # cuts full state dicts when loading
+    ):
         assert fn.__code__.co_filename.startswith("<ragged_placement forwarding"), fn
         assert fn.__wrapped__.__code__.co_filename.endswith(".py"), fn  # torch's own source
 
@@ -214,3 +221,15 @@ def test_ragged_sharding_decisions_are_cached_per_schema(tmp_path) -> None:
         """
     )
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_random_ops_torch_routes_through_python_include_the_fills() -> None:
+    # RaggedShard random fills hook the Python local-results path, which torch takes for the
+    # ops it lists as random; nn.init needs normal_ and uniform_ among them.
+    from ragged_placement._ops import RANDOM_FILLS
+
+    ops = torch.ops.aten
+    assert {ops.normal_.default, ops.uniform_.default} <= RANDOM_FILLS
+    assert RANDOM_FILLS <= _compat.dtensor_random_ops()
+    patched = dtensor_dispatch.OpDispatcher._dispatch_get_local_results_slow_path
+    assert patched.__code__.co_name == "local_results" and patched.__wrapped__, patched

@@ -120,6 +120,21 @@ def test_optimizers_match_single_process(pools, world, name) -> None:
         pools[world].run(cases.check_optimizer, name, foreach, units[0], units[-1])
 
 
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_random_fills_equal_one_process(pools, world) -> None:
+    for units in UNITS[world]:
+        pools[world].run(cases.check_random_fills, "1d", units)
+    if world == 4:
+        pools[4].run(cases.check_random_fills, "tp", (1, 2))
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_load_full_state_dict(pools, world) -> None:
+    for units in UNITS[world]:
+        for broadcast in (False, True):
+            pools[world].run(cases.check_load_full_state_dict, broadcast, units)
+
+
 def test_hsdp_on_a_2x2_mesh(pools) -> None:
     for units in [(1, 1), (3, 1), (0, 2)]:
         pools[4].run(cases.check_hsdp, (2 * sum(units), 3), units)

@@ -116,6 +116,12 @@ def fully_shard(
     state = FSDPState(modules, group, reshard, mp_policy)
     for mod in modules:
         _install(mod, state)
+        # What torch's fully_shard marks on the modules it manages: transformers reads it
+        # (`is_fsdp_managed_module`: then `generate` keeps every rank stepping until all are
+        # done), dynamo treats those modules' parameters as changing inputs.
+        for sub in mod.modules():
+            sub._is_fsdp_managed_module = True  # type: ignore[assignment]
+            sub._fsdp_use_orig_params = True  # type: ignore[assignment]
     return module
 
 

@@ -3,6 +3,9 @@
 - `queue_backward_callback(fn)`: `Variable._execution_engine.queue_callback`, which runs `fn`
   once the current backward pass has finished (the engine's end-of-backward work: reduce the
   groups no hook reached, wait for the reduce-scatters, hand out the sharded gradients).
+- `map_tensors(tree, fn)`: torch's pytree (`torch.utils._pytree`), which knows the containers
+  libraries register with it (transformers' `ModelOutput`), as FSDP2 walks module inputs and
+  outputs.
 - `profiler_range(name)`: `torch.profiler.record_function(name)` only while a profiler runs
   (`torch._C._autograd._profiler_enabled`): a range costs ~8 us even with no profiler, and
   a step enters a few per group.
@@ -12,20 +15,52 @@ import.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
 from torch.profiler import record_function
+from torch.utils import _pytree as pytree
 
 from ragged_placement import check_torch_version
 
-__all__ = ["profiler_range", "queue_backward_callback"]
+__all__ = ["map_tensors", "profiler_range", "queue_backward_callback"]
 
 
 def queue_backward_callback(fn: Callable[[], None]) -> None:
     """Runs `fn` when the backward pass now running finishes (call it from inside backward)."""
     torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def map_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """`tree` with `fn` applied to every tensor in it, every container keeping its class.
+
+    Containers are what torch's pytree knows (tuples, lists, dicts, namedtuples, OrderedDict,
+    and classes libraries register, such as transformers' `ModelOutput`), plus dataclasses and
+    dict subclasses it does not know (walked field by field, item by item).
+    """
+
+    def leaf(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return fn(value)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            changes = {
+                f.name: map_tensors(getattr(value, f.name), fn)
+                for f in dataclasses.fields(value)
+                if f.init
+            }
+            return dataclasses.replace(value, **changes)
+        if isinstance(value, dict):  # a dict subclass pytree does not know
+            mapped = copy.copy(value)
+            for key, item in value.items():
+                mapped[key] = map_tensors(item, fn)
+            return mapped
+        return value
+
+    return pytree.tree_map(leaf, tree)
 
 
 _NO_RANGE = nullcontext()

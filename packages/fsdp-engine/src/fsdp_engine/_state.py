@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from fsdp_engine._compat import profiler_range, queue_backward_callback
+from fsdp_engine._compat import map_tensors, profiler_range, queue_backward_callback
 from fsdp_engine._group import ParamGroup, used_anywhere
 
 
@@ -307,7 +307,7 @@ class _PostBackward(torch.autograd.Function):
         if not leaves:
             return args, kwargs
         routed = iter(cls.apply(state, *leaves))  # type: ignore[no-untyped-call]
-        new_args, new_kwargs = _map_tensors(
+        new_args, new_kwargs = map_tensors(
             (args, kwargs), lambda t: next(routed) if t.requires_grad else t
         )
         return new_args, new_kwargs
@@ -319,25 +319,12 @@ def _hook_outputs(output: Any, hook: Callable[[torch.Tensor], torch.Tensor]) -> 
             t.register_hook(hook)  # type: ignore[no-untyped-call]
         return t
 
-    return _map_tensors(output, register)
+    return map_tensors(output, register)
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
-    return _map_tensors(tree, lambda t: t.to(dtype) if t.is_floating_point() else t)
+    return map_tensors(tree, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
 def _visit(tree: Any, fn: Callable[[torch.Tensor], object]) -> None:
-    _map_tensors(tree, lambda t: (fn(t), t)[1])
-
-
-def _map_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """Applies `fn` to every tensor in nested tuples, lists and dicts (other leaves kept)."""
-    if isinstance(tree, torch.Tensor):
-        return fn(tree)
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # namedtuple
-        return type(tree)(*(_map_tensors(x, fn) for x in tree))
-    if isinstance(tree, list | tuple):
-        return type(tree)(_map_tensors(x, fn) for x in tree)
-    if isinstance(tree, dict):
-        return {k: _map_tensors(v, fn) for k, v in tree.items()}
-    return tree
+    map_tensors(tree, lambda t: (fn(t), t)[1])

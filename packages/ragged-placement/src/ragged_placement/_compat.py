@@ -18,7 +18,12 @@ at each call:
 - `DTensor.__create_write_items__` / `__create_chunk_list__` / `__get_tensor_shard__`, through
   which torch.distributed.checkpoint reads and writes a DTensor's chunks;
 - `OpDispatcher._propagate_op_sharding_dispatch_slow_path` (called by the C++ DTensor
-  dispatcher on a sharding-cache miss) and `ShardingPropagator.propagate` (the Python path).
+  dispatcher on a sharding-cache miss) and `ShardingPropagator.propagate` (the Python path);
+- `OpDispatcher._dispatch_get_local_results_slow_path`, for random fills (`normal_`,
+  `uniform_`, ...: what `nn.init` runs), which torch would offset by a Shard's row offset;
+- `torch.distributed._state_dict_utils._distribute_tensors` (redirected), which cuts a full
+  state dict's tensors by shape and offset when loading (`set_model_state_dict` with
+  `full_state_dict`, `broadcast_from_rank0`).
 Tested on torch 2.13 and 2.14 (`nox -s tests`); other versions are refused at import with a
 clear error rather than risking silent misbehaviour (`check_torch_version`, which dbuffer and
 fsdp_engine call too). A torch internal missing at install is an ImportError naming the version.
@@ -41,6 +46,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+import torch.distributed._state_dict_utils as state_dict_utils
 import torch.distributed.tensor._api as dtensor_api
 import torch.distributed.tensor._dispatch as dtensor_dispatch
 import torch.distributed.tensor._redistribute as dtensor_redistribute
@@ -66,6 +72,7 @@ __all__ = [
     "async_all_to_all",
     "check_torch_version",
     "current_mesh",
+    "dtensor_random_ops",
     "install",
     "local_of",
     "locals_and_specs_of",
@@ -133,6 +140,12 @@ def local_of(dt: DTensor) -> torch.Tensor:
 def locals_and_specs_of(dts: Sequence[DTensor]) -> tuple[list[torch.Tensor], list[DTensorSpec]]:
     """`local_of` and `spec_of` of many DTensors (no Python call per DTensor)."""
     return [dt._local_tensor for dt in dts], [dt._spec for dt in dts]
+
+
+def dtensor_random_ops() -> frozenset[Any]:
+    """The ops torch's DTensor dispatcher sends through its Python random path."""
+    ops: set[Any] = DTensor._op_dispatcher._random_ops
+    return frozenset(ops)
 
 
 def current_mesh() -> DeviceMesh:
@@ -268,6 +281,10 @@ class Hooks(Protocol):
     def checkpoint_write_items(self, dt: DTensor, fqn: str) -> list[Any]: ...
     def checkpoint_chunks(self, dt: DTensor) -> list[Any]: ...
     def checkpoint_shard(self, dt: DTensor, index: Any) -> torch.Tensor: ...
+    def random_fill(
+        self, op: Any, dt: DTensor, args: Sequence[object], kwargs: dict[str, Any]
+    ) -> torch.Tensor | None: ...
+    def load_full(self, dt: DTensor, full: torch.Tensor) -> DTensor: ...
 
 
 _installed: list[Hooks] = []
@@ -545,3 +562,47 @@ def _install(hooks: Hooks) -> None:
         original_propagate(self, op_info)
 
     setattr(ShardingPropagator, "propagate", propagate)  # noqa: B010
+
+    # Random fills (nn.init on sharded parameters, e.g. after meta init and to_empty) reach
+    # Python here: torch's own would offset a shared generator by a Shard's row offset, which
+    # a RaggedShard piece does not have.
+    original_local_results = dispatcher._dispatch_get_local_results_slow_path
+
+    @functools.wraps(original_local_results)
+    def local_results(self: Any, op_call: Any, args: Any, op_info: Any, *rest: Any) -> object:
+        first = args[0] if args else None
+        if isinstance(first, DTensor) and hooks.is_ragged(first._spec.placements):
+            filled = hooks.random_fill(op_call, first, args[1:], dict(op_info.local_kwargs))
+            if filled is not None:
+                return filled
+        return original_local_results(self, op_call, args, op_info, *rest)
+
+    setattr(dispatcher, "_dispatch_get_local_results_slow_path", local_results)  # noqa: B010
+
+    # Loading a full state dict into DTensors (set_model_state_dict with full_state_dict, and
+    # broadcast_from_rank0) cuts each full tensor by a shape and offset, which a RaggedShard
+    # piece does not have: those entries are cut by the hooks, the rest by torch.
+    def wrap_distribute_tensors(original: Callable[..., None]) -> Callable[..., None]:
+        def _distribute_tensors(
+            local_state_dict: dict[str, Any],
+            keys: list[str],
+            device: torch.device,
+            pg: dist.ProcessGroup | None = None,
+        ) -> None:
+            rest = []
+            for key in keys:
+                entry = local_state_dict.get(key)
+                if (
+                    isinstance(entry, list | tuple)
+                    and len(entry) == 2
+                    and isinstance(entry[0], DTensor)
+                    and hooks.is_ragged(entry[0].placements)
+                ):
+                    local_state_dict[key] = hooks.load_full(entry[0], entry[1])
+                else:
+                    rest.append(key)
+            original(local_state_dict, rest, device, pg)
+
+        return _distribute_tensors
+
+    redirect(state_dict_utils._distribute_tensors, wrap_distribute_tensors)

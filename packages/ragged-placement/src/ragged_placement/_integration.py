@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from ragged_placement._checkpoint import chunk_list, tensor_shard, write_items
@@ -17,11 +17,12 @@ from ragged_placement._compat import (
     OutputSharding,
     TensorMeta,
     contiguous_strides,
+    local_of,
     make_dtensor,
     spec_of,
 )
 from ragged_placement._decisions import ShardingDecisions
-from ragged_placement._ops import schema_has_ragged
+from ragged_placement._ops import RANDOM_FILLS, schema_has_ragged
 from ragged_placement._placement import RaggedShard, StridedRaggedShard
 from ragged_placement._redistribute import (
     block_shape,
@@ -132,3 +133,40 @@ class RaggedHooks:
 
     def checkpoint_shard(self, dt: DTensor, index: Any) -> torch.Tensor:
         return tensor_shard(dt, index)
+
+    def random_fill(
+        self, op: Any, dt: DTensor, args: Sequence[object], kwargs: dict[str, Any]
+    ) -> torch.Tensor | None:
+        if op not in RANDOM_FILLS:
+            return None
+        local = local_of(dt)
+        if local.is_meta:
+            return local
+        # Every rank draws the whole tensor (the same generator state everywhere, and the
+        # same amount consumed): the values are one process's, whatever the world size.
+        # Costs one full tensor of this parameter at a time.
+        full = torch.empty(dt.shape, dtype=dt.dtype, device=local.device)
+        op(full, *args, **kwargs)
+        local.copy_(self._piece_of(full, dt))
+        return local
+
+    def load_full(self, dt: DTensor, full: torch.Tensor) -> DTensor:
+        if tuple(full.shape) != tuple(dt.shape):
+            raise ValueError(
+                f"loading a full tensor of shape {tuple(full.shape)} into a DTensor of shape "
+                f"{tuple(dt.shape)} ({dt.placements})"
+            )
+        local = local_of(dt)
+        piece = self._piece_of(full.to(local.device), dt)
+        if local.is_meta:
+            return make_dtensor(piece.to(dt.dtype), spec_of(dt), requires_grad=False)
+        local.copy_(piece)
+        return dt
+
+    @staticmethod
+    def _piece_of(full: torch.Tensor, dt: DTensor) -> torch.Tensor:
+        """This rank's local piece of `full` under `dt`'s placements (no communication)."""
+        piece = distribute_tensor(
+            full.contiguous(), dt.device_mesh, dt.placements, src_data_rank=None
+        )
+        return local_of(piece)

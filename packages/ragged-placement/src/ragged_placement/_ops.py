@@ -13,7 +13,13 @@ that question ourselves (see `_compat.install`), for three families:
   `dim`): each rank reduces its piece and the output is Partial on the sharded mesh axes, so
   `full_tensor()` (or any later op) reduces across ranks: sum -> Partial("sum"), p-norm ->
   torch's norm partial, mean -> a partial that weights each rank's mean by its share of the
-  elements (an empty piece contributes nothing).
+  elements (an empty piece contributes nothing). `any` is the exception: it gathers its
+  (bool) input and replicates the result, because `.item()` of a Partial reads the local value
+  and `while mask.any():` must take the same branch on every rank.
+- random fills in place (`normal_`, `uniform_`, `bernoulli_`: what `nn.init` runs): the
+  tensor keeps its spec; the values are drawn for the whole tensor on every rank from the
+  same generator state and each rank keeps its piece (`_integration.RaggedHooks.random_fill`),
+  so they equal one process's draw and do not depend on the world size.
 - anything else raises an error naming the op and the way out (redistribute first).
 """
 
@@ -31,6 +37,7 @@ from ragged_placement._compat import (
     OutputSharding,
     TensorMeta,
     WeightedMeanPartial,
+    dtensor_random_ops,
     norm_partial,
 )
 from ragged_placement._placement import RaggedShard, StridedRaggedShard, chunk_range
@@ -53,6 +60,7 @@ _ELEMENTWISE_EXTRA = {
 _REDUCTIONS = {
     aten.sum.default: "sum",
     aten.mean.default: "mean",
+    aten.any.default: "any",
     aten.linalg_vector_norm.default: "norm",
     aten._foreach_norm.Scalar: "norm",
 }
@@ -127,6 +135,12 @@ def _align_operand(arg: object, ref: DTensorSpec, op: object) -> object:
 def _writes_first_arg(op: torch._ops.OpOverload) -> bool:
     first = op._schema.arguments[0] if op._schema.arguments else None
     return first is not None and first.alias_info is not None and first.alias_info.is_write
+
+
+# The random ops torch's DTensor dispatcher runs through Python (so that their values can be
+# made independent of the sharding); the in-place fills among them get RaggedShard support.
+DTENSOR_RANDOM_OPS = dtensor_random_ops()
+RANDOM_FILLS = frozenset(op for op in DTENSOR_RANDOM_OPS if _writes_first_arg(op))
 
 
 def _elementwise(op_schema: OpSchema, metas: Any, args: Sequence[object]) -> OutputSharding:
@@ -231,6 +245,15 @@ def _reduction(op_schema: OpSchema, kind: str, metas: Any) -> OutputSharding:
         return OutputSharding(out)
     spec = args[0]
     assert isinstance(spec, DTensorSpec)
+    if kind == "any":
+        # Its result steers Python control flow (`while mask.any():` in nn.init.trunc_normal_),
+        # and `.item()` of a Partial DTensor reads the local value: every rank must get the
+        # same answer, so the input is gathered (a bool per element) and the result replicated.
+        whole = DTensorSpec(
+            spec.mesh, (Replicate(),) * spec.mesh.ndim, tensor_meta=spec.tensor_meta
+        )
+        replicated = DTensorSpec(spec.mesh, (Replicate(),) * spec.mesh.ndim, tensor_meta=metas)
+        return _finish(op_schema, (whole, *args[1:]), dict(op_schema.kwargs_schema), replicated)
     if kind == "norm":
         norm_ord = _as_float(args[1] if len(args) > 1 else op_schema.kwargs_schema.get("ord", 2))
         dim = args[2] if len(args) > 2 else op_schema.kwargs_schema.get("dim")
@@ -287,13 +310,21 @@ def propagate(op_schema: OpSchema, tensor_meta: Callable[[OpSchema], Any]) -> Ou
     flat_args = [*op_schema.args_schema, *op_schema.kwargs_schema.values()]
     if op in _REDUCTIONS:
         return _reduction(op_schema, _REDUCTIONS[op], tensor_meta(op_schema))
+    if op in DTENSOR_RANDOM_OPS:
+        if op not in RANDOM_FILLS or not has_ragged(op_schema.args_schema[0]):
+            raise UnsupportedRaggedOpError(
+                f"{op} on a RaggedShard tensor: random ops are supported as in-place fills of "
+                f"a RaggedShard tensor ({', '.join(sorted(str(o) for o in RANDOM_FILLS))}). "
+                "Fill a tensor of the shape you need, or redistribute first."
+            )
+        return OutputSharding(op_schema.args_schema[0])
     if _is_foreach_elementwise(op):
         return _foreach(op_schema, tensor_meta(op_schema))
     if _is_elementwise(op):
         return _elementwise(op_schema, tensor_meta(op_schema), flat_args)
     raise UnsupportedRaggedOpError(
         f"{op} has no sharding rule for RaggedShard inputs (supported: elementwise ops, "
-        "_foreach_* elementwise ops, and whole-tensor sum, mean, linalg_vector_norm, "
-        "_foreach_norm). Redistribute to Replicate or Shard first, or work on "
-        "ragged_placement.local_view(...)."
+        "_foreach_* elementwise ops, and whole-tensor sum, mean, any, linalg_vector_norm, "
+        "_foreach_norm, in-place random fills). Redistribute to Replicate or Shard first, or "
+        "work on ragged_placement.local_view(...)."
     )
