@@ -823,6 +823,99 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
 
 
+class StageA(nn.Linear):
+    pass
+
+
+class StageB(nn.Linear):
+    pass
+
+
+class StageC(nn.Linear):
+    pass
+
+
+class _Routed(nn.Module):
+    """Three stages whose order the caller chooses per forward (control flow that changes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stages = nn.ModuleDict({"A": StageA(4, 4), "B": StageB(4, 4), "C": StageC(4, 4)})
+
+    def forward(self, x: torch.Tensor, order: str) -> torch.Tensor:
+        for name in order:
+            x = torch.tanh(self.stages[name](x))
+        return x
+
+
+def check_schedule_follows_each_iteration() -> None:
+    """The prefetch order is recorded every iteration (control flow may change), setters do
+    not choose the root, and forward-only use records nothing that grows."""
+    from torch.profiler import ProfilerActivity, profile
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    model = _Routed()
+    reference = copy.deepcopy(model)
+    for stage in model.stages.values():
+        fully_shard(stage, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    # Setters on a non-root before the first forward: the real root still becomes the root.
+    model.stages["A"].set_reduce_scatter_max_input_buffers(2)
+    model.stages["B"].set_is_last_backward(True)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+
+    def step(net: nn.Module, order: str) -> None:
+        net(x, order).square().sum().backward()
+
+    step(model, "ABC")
+    step(model, "ACB")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step(model, "ACB")
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)
+    prefetched = {
+        when: [
+            e.name.split("(")[1].rstrip(")")
+            for e in events
+            if e.name.startswith(f"FSDP::{when}_prefetch(")
+        ]
+        for when in ("forward", "backward")
+    }
+    # Forward: each stage gathers the one that followed it in the previous forward (ACB);
+    # backward (B, C, A): the one that finished forward just before it. The root holds no
+    # parameters of its own, so it gathers nothing.
+    assert prefetched["forward"] == ["StageC", "StageB"], prefetched
+    assert prefetched["backward"] == ["StageC", "StageA"], prefetched
+    # A module run twice in one forward: gathered again for each run's backward, reduced
+    # after each (the gradients add up), never read while resharded.
+    step(model, "ABAC")
+    for order in ("ABC", "ACB", "ACB", "ABAC"):
+        step(reference, order)
+    for name, param in model.named_parameters():
+        expected = dict(reference.named_parameters())[name].grad
+        torch.testing.assert_close(param.grad.full_tensor(), expected, msg=name)
+    # An eval loop: nothing recorded per forward stays.
+    context = model._fsdp_engine_state.context
+    with torch.no_grad():
+        for _ in range(50):
+            model(x, "ABC")
+    assert len(context.forward_order) == 3 and not context.post_forward_order, context
+
+
+def _wait_for_reduce_in_post_backward(model: nn.Module, tokens: torch.Tensor) -> int:
+    """Reduce waits inside groups' post-backward in one backward (the in-flight limit)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        loss_fn(model(tokens), tokens).backward()
+    return sum(
+        e.name.startswith("FSDP::wait_for_reduce")
+        and e.cpu_parent is not None
+        and e.cpu_parent.name.startswith("FSDP::post_backward")
+        for e in prof.events()
+    )
+
+
 def check_schedule_setters() -> None:
     """The schedule setters change what is sharded when, and the gradients stay right."""
     world = dist.get_world_size()
@@ -879,9 +972,15 @@ def check_schedule_setters() -> None:
     _assert_grads_equal(_grads(model), mixed)
     assert all(not torch.equal(expected[n], second_only[n]) for n in dropped)
 
-    # set_reduce_scatter_max_input_buffers: more reduces in flight, the same gradients.
+    # set_reduce_scatter_max_input_buffers: more reduces in flight, the same gradients; per
+    # group, as `recurse` says (the root's own backward ends last, at the end of backward).
     model, _ = _sharded_model("ours", seed=0)
+    model.set_reduce_scatter_max_input_buffers(3, recurse=False)
+    assert _wait_for_reduce_in_post_backward(model, batches[0]) == 1  # the blocks' limit is 1
+    model.zero_grad()
     model.set_reduce_scatter_max_input_buffers(3)
+    assert _wait_for_reduce_in_post_backward(model, batches[0]) == 0
+    model.zero_grad()
     for tokens in batches:
         backward(model, tokens)
     _assert_grads_equal(_grads(model), expected)

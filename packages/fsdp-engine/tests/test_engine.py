@@ -67,6 +67,11 @@ def test_outputs_keep_their_class_and_hooks(pools, world) -> None:
         pools[world].run(cases.check_output_containers, kind)
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_schedule_follows_each_iteration(pools, world) -> None:
+    pools[world].run(cases.check_schedule_follows_each_iteration)
+
+
 @pytest.mark.parametrize("world", [1, 3])
 def test_load_full_state_dict_from_rank0(pools, world) -> None:
     pools[world].run(cases.check_load_full_state_dict)

@@ -134,9 +134,7 @@ class FSDPModule:
         """Whether the next backward waits for its reduce-scatters and sets the `.grad`s."""
         state = state_of(self)  # type: ignore[arg-type]
         value = _check_bool("is_last_backward", is_last_backward)
-        state.lazy_init()
-        assert state.context is not None
-        state.context.is_last_backward = value
+        state.set_context_setting("is_last_backward", value)
 
     def set_requires_gradient_sync(
         self, requires_gradient_sync: bool, *, recurse: bool = True
@@ -210,17 +208,19 @@ class FSDPModule:
     def set_reduce_scatter_max_input_buffers(
         self, max_input_buffers: int, *, recurse: bool = True
     ) -> None:
-        """Sets how many reduce-scatters may be in flight at once during backward.
+        """Sets how many reduce-scatters may be in flight when this group's backward ends.
 
         Each holds its group's full gradient buffer until it is done (default 1).
+
+        Example:
+            >>> model = fully_shard(model)
+            >>> model.set_reduce_scatter_max_input_buffers(2)  # every group (recurse=True)
         """
         value: object = max_input_buffers
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"max_input_buffers must be an int >= 1, got {max_input_buffers!r}")
-        state = state_of(self)  # type: ignore[arg-type]
-        state.lazy_init()
-        assert state.context is not None
-        state.context.max_reduces_in_flight = value
+        for state in _states(self, recurse):  # type: ignore[arg-type]
+            state.max_reduces_in_flight = value
 
     # -- schedule -----------------------------------------------------------------------------
 
@@ -260,9 +260,7 @@ class FSDPModule:
         state = state_of(self)  # type: ignore[arg-type]
         if not hasattr(event, "wait") and not hasattr(event, "query"):
             raise TypeError(f"event must be a torch.Event or torch.cuda.Event, got {event!r}")
-        state.lazy_init()
-        assert state.context is not None
-        state.context.post_optim_event = event
+        state.set_context_setting("post_optim_event", event)
 
     # -- not supported ------------------------------------------------------------------------
 

@@ -1,16 +1,18 @@
 """FSDPState: what one `fully_shard` call adds to its module(s), and the hooks that drive it.
 
 The schedule, per iteration (FSDP2's, on DBuffers):
-- pre-forward: the first module to run forward becomes the root and initializes the shared
-  `Context` (its subtree's states in order); every state gathers its group (waiting for a
-  prefetch if one was issued), issues the next group's gather asynchronously, casts the inputs
-  (mixed precision) and, when autograd records, routes the inputs' gradients through
-  `_PostBackward` so it learns when its module's backward is done;
-- post-forward: reshards unless it is the root (or told otherwise) and hooks the outputs so
-  that the first gradient reaching them gathers the group again for backward (and prefetches
-  the group that runs backward next);
+- pre-forward: the first module to run forward becomes the root (setters never choose it)
+  and initializes the shared `Context` (its subtree's states in order); every state gathers
+  its group (waiting for a prefetch if one was issued), issues the gather of the group that
+  came next in the previous forward, casts the inputs (mixed precision) and, when autograd
+  records, routes the inputs' gradients through `_PostBackward` so it learns when its
+  module's backward is done;
+- post-forward: reshards unless it is the root (or told otherwise), records its place in the
+  post-forward order (when a backward will follow) and hooks the outputs so that the first
+  gradient reaching them gathers the group again for backward (and prefetches the group that
+  finished forward just before it);
 - post-backward: gradients go into the DBuffers, the group reshards, and its reduce-scatter
-  starts asynchronously (at most `max_reduces_in_flight` at once);
+  starts asynchronously (at most the group's `max_reduces_in_flight` in flight);
 - end of backward (a callback queued on the autograd engine): groups no hook reached are
   reduced too, every reduce is waited for, and the sharded `.grad`s are handed out.
 """
@@ -41,21 +43,25 @@ class Context:
     """State shared by every FSDP state under one root."""
 
     states: list[FSDPState]
-    forward_order: list[FSDPState] = field(default_factory=list)  # by pre-forward
-    # By post-forward: backward runs the groups in its reverse. The root finishes forward
-    # last, so at the start of backward it prefetches the last block (pre-forward order
-    # would put it first, with nothing before it to prefetch).
+    # Groups by pre-forward, in this root forward and in the one before: the k-th group of a
+    # forward prefetches the (k+1)-th of the previous forward, if the k-th is the same group
+    # (positions, not identities: a module may run twice; control flow may change).
+    forward_order: list[FSDPState] = field(default_factory=list)
+    last_forward_order: list[FSDPState] = field(default_factory=list)
+    # By post-forward, with autograd recording, since the last backward: backward runs the
+    # groups in its reverse. Each state keeps its positions in it (one per forward run), so a
+    # group prefetches the one that finished forward just before it did. The root finishes
+    # forward last, so at the start of backward it prefetches the last block.
     post_forward_order: list[FSDPState] = field(default_factory=list)
-    order_frozen: bool = False
     callback_queued: bool = False
     is_last_backward: bool = True
-    max_reduces_in_flight: int = 1
     reducing: list[FSDPState] = field(default_factory=list)
     post_optim_event: Any = None
 
     def reset(self) -> None:
         self.callback_queued = False
         self.reducing = []
+        self.post_forward_order = []
         for state in self.states:
             state.reset()
 
@@ -72,20 +78,36 @@ class FSDPState:
     unshard_in_backward: bool = True
     forward_prefetch: list[FSDPState] | None = None
     backward_prefetch: list[FSDPState] | None = None
+    max_reduces_in_flight: int = 1  # reduces in flight when this group's backward ends
     context: Context | None = None
+    # Context settings made before there is a context (setters never choose the root): the
+    # context of the tree this state ends up in takes them at lazy init.
+    pending_context_settings: dict[str, Any] = field(default_factory=dict)
     is_root: bool = False
     phase: Phase = Phase.IDLE
-    _forward_ran: bool = False  # with autograd recording, in this iteration
+    # Per iteration, counted per forward run (a module may run more than once): runs with
+    # autograd recording, post-backwards done, and runs whose backward started but whose
+    # post-backward has not run (the group must stay gathered while one is open).
+    _num_forward_runs: int = 0
+    _num_post_backwards: int = 0
+    _num_backward_runs_open: int = 0
     _modules_done: set[int] = field(default_factory=set)
-    _pre_backward_done: bool = False
-    _post_backward_done: bool = False
+    _post_forward_positions: list[int] = field(default_factory=list)  # in post_forward_order
 
     def reset(self) -> None:
         self.phase = Phase.IDLE
-        self._forward_ran = False
+        self._num_forward_runs = 0
+        self._num_post_backwards = 0
+        self._num_backward_runs_open = 0
         self._modules_done = set()
-        self._pre_backward_done = False
-        self._post_backward_done = False
+        self._post_forward_positions = []
+
+    def set_context_setting(self, name: str, value: object) -> None:
+        """Sets a Context field now, or at lazy init if there is no context yet."""
+        if self.context is not None:
+            setattr(self.context, name, value)
+        else:
+            self.pending_context_settings[name] = value
 
     # -- lazy initialization ------------------------------------------------------------------
 
@@ -106,6 +128,10 @@ class FSDPState:
                     "under another root; run forward on one root module"
                 )
         context = Context(states)
+        for state in [*states, self]:  # the root's own settings last: they win
+            for name, value in state.pending_context_settings.items():
+                setattr(context, name, value)
+            state.pending_context_settings.clear()
         for state in states:
             state.context = context
             state.is_root = state is self
@@ -132,16 +158,19 @@ class FSDPState:
                     state.group.release_unused_gradients()
         first = self.phase is not Phase.FORWARD  # the first module of this group to run
         if first:
+            if self.is_root:  # a new root forward: a new forward order
+                context.last_forward_order = context.forward_order
+                context.forward_order = []
             self.phase = Phase.FORWARD
             if torch.is_grad_enabled():
-                self._forward_ran = True
-            if not context.order_frozen and self.group is not None:
-                context.forward_order.append(self)
+                self._num_forward_runs += 1
             if self.group is not None:
+                position = len(context.forward_order)
+                context.forward_order.append(self)
                 with profiler_range(f"FSDP::pre_forward({self.group.label})"):
                     self.group.unshard()
                     self.group.wait_for_unshard()
-                    self._prefetch(self._forward_targets(), "forward")
+                    self._prefetch(self._forward_targets(position), "forward")
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             dtype = self.mp_policy.param_dtype
             args, kwargs = _cast_floats((args, kwargs), dtype)
@@ -158,28 +187,46 @@ class FSDPState:
         self._modules_done = set()
         self.phase = Phase.IDLE
         context = self.context
-        if context is not None and not context.order_frozen and self.group is not None:
+        if context is not None and self.group is not None and torch.is_grad_enabled():
+            # Only forwards that a backward will follow: an eval loop records nothing.
+            self._post_forward_positions.append(len(context.post_forward_order))
             context.post_forward_order.append(self)
         if self.group is not None and self.reshard_after_forward:
             with profiler_range(f"FSDP::post_forward({self.group.label})"):
                 self.group.reshard()
         if torch.is_grad_enabled() and self.group is not None:
-            output = _hook_outputs(output, self._pre_backward)
+            started = [False]  # this run's backward (its outputs get several gradients)
+            output = _hook_outputs(output, lambda grad: self._pre_backward(grad, started))
         if self.mp_policy.output_dtype is not None:
             output = _cast_floats(output, self.mp_policy.output_dtype)
         return output
 
-    def _forward_targets(self) -> list[FSDPState]:
+    def _forward_targets(self, position: int) -> list[FSDPState]:
+        """The groups to gather next in forward.
+
+        Set explicitly, or the one after this group's position in the previous forward, if
+        this group held the same position there.
+        """
         if self.forward_prefetch is not None:
             return self.forward_prefetch
-        context = self.context
-        return _next_in(context.forward_order if context else [], self, +1, context)
+        last = self.context.last_forward_order if self.context else []
+        if position + 1 < len(last) and last[position] is self:
+            return [last[position + 1]]
+        return []
 
     def _backward_targets(self) -> list[FSDPState]:
+        """The groups to gather next in backward.
+
+        Set explicitly, or the one that finished forward just before this group's latest
+        forward run not yet backpropagated.
+        """
         if self.backward_prefetch is not None:
             return self.backward_prefetch
-        context = self.context
-        return _next_in(context.post_forward_order if context else [], self, -1, context)
+        if not self._post_forward_positions or self.context is None:
+            return []
+        position = self._post_forward_positions.pop()
+        order = self.context.post_forward_order
+        return [order[position - 1]] if 0 < position <= len(order) else []
 
     @staticmethod
     def _prefetch(targets: Sequence[FSDPState], when: str) -> None:
@@ -194,15 +241,16 @@ class FSDPState:
 
     # -- backward -----------------------------------------------------------------------------
 
-    def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
+    def _pre_backward(self, grad: torch.Tensor, started: list[bool]) -> torch.Tensor:
         context = self.context
         assert context is not None and self.group is not None
         if not context.callback_queued:
             context.callback_queued = True
             queue_backward_callback(self._end_of_backward)
-        if self._pre_backward_done:
+        if started[0]:
             return grad
-        self._pre_backward_done = True
+        started[0] = True
+        self._num_backward_runs_open += 1
         self.phase = Phase.BACKWARD
         with profiler_range(f"FSDP::pre_backward({self.group.label})"):
             if self.unshard_in_backward:
@@ -213,21 +261,22 @@ class FSDPState:
 
     def post_backward(self) -> None:
         """Reshards the group, collects its gradients and starts its reduce-scatter."""
-        if self._post_backward_done or self.group is None:
+        if self.group is None:
             return
-        self._post_backward_done = True
+        self._num_post_backwards += 1
+        self._num_backward_runs_open = max(0, self._num_backward_runs_open - 1)
         group, context = self.group, self.context
         assert context is not None
         with profiler_range(f"FSDP::post_backward({group.label})"):
             # The gathered parameters go first: the gradient buffer filled next is as large,
             # and both at once (with the gradients and the next group's prefetch) would be
             # the step's peak. The gradients stay reachable through the unsharded objects.
-            if self.reshard_after_backward:
+            if self.reshard_after_backward and not self._num_backward_runs_open:
                 group.reshard()
             if group.settings.requires_gradient_sync:
                 # Finish the reduces in flight before this group's gradient buffer is filled,
                 # so that their buffers are freed first: one group's gradients at a time.
-                while len(context.reducing) >= context.max_reduces_in_flight:
+                while len(context.reducing) >= self.max_reduces_in_flight:
                     context.reducing.pop(0).group.wait_for_reduce()  # type: ignore[union-attr]
             group.collect_gradients()
             if not group.settings.requires_gradient_sync:
@@ -236,7 +285,7 @@ class FSDPState:
                 # A reduce from a backward that was not the last (set_is_last_backward):
                 # finish it first, so that this one adds to its gradients.
                 finish_reduces([group])
-            while len(context.reducing) >= context.max_reduces_in_flight:
+            while len(context.reducing) >= self.max_reduces_in_flight:
                 context.reducing.pop(0).group.wait_for_reduce()  # type: ignore[union-attr]
             group.reduce(async_op=True)
             context.reducing.append(self)
@@ -246,27 +295,18 @@ class FSDPState:
         assert context is not None
         with profiler_range("FSDP::end_of_backward"):
             for state in context.states:
-                if state._forward_ran and not state._post_backward_done:
+                if state._num_post_backwards < state._num_forward_runs:
+                    state._num_backward_runs_open = 0  # backward is over: none is still open
                     state.post_backward()
                 elif state.group is not None and state.reshard_after_backward:
                     state.group.reshard()  # e.g. prefetched but never run
-            context.order_frozen = True
             if context.is_last_backward:
                 finish_reduces([s.group for s in context.states if s.group is not None])
                 context.reducing = []
+            context.post_forward_order = []
             for state in context.states:
                 state.reset()
             context.callback_queued = False
-
-
-def _next_in(
-    order: list[FSDPState], state: FSDPState, offset: int, context: Context | None
-) -> list[FSDPState]:
-    """The state `offset` places from `state` in a recorded order (none before it is)."""
-    if context is None or not context.order_frozen or state not in order:
-        return []
-    index = order.index(state) + offset
-    return order[index : index + 1] if index >= 0 else []
 
 
 def finish_reduces(candidates: list[ParamGroup]) -> None:
