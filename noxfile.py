@@ -20,7 +20,7 @@ nox.options.reuse_venv = "yes"
 nox.options.error_on_missing_interpreters = True
 
 ROOT = pathlib.Path(__file__).parent
-# Bottom-up in the dependency order of DESIGN.md; installs and type checks follow it.
+# Bottom-up in the dependency order of docs/architecture.md; installs and type checks follow it.
 PACKAGES = {
     "shard-planner": "shard_planner",
     "ragged-placement": "ragged_placement",
@@ -32,7 +32,8 @@ TORCH_VERSIONS = ["2.13.0", "2.14.1"]
 TORCH_DEFAULT = "2.13.0"
 TORCH_GPU = "2.14.1"  # the CUDA build
 TEST_DEPS = ["pytest>=8", "hypothesis>=6.100"]
-TORCH_TEST_DEPS = [*TEST_DEPS, "numpy", "tqdm"]  # DCP needs numpy; examples/train.py tqdm
+# DCP needs numpy; examples/train.py tqdm; the engine's tests build transformers models.
+TORCH_TEST_DEPS = [*TEST_DEPS, "numpy", "tqdm", "transformers>=5.17,<5.19"]
 
 nox.options.sessions = ["lint", "typecheck", "planner", "build", "tests"]
 

@@ -1,4 +1,4 @@
-"""Repository-wide rules from DESIGN.md, checked on every package's metadata."""
+"""Repository-wide rules (docs/architecture.md), checked on every package's metadata."""
 
 import importlib.metadata
 import pathlib
@@ -8,7 +8,7 @@ import tomllib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# Bottom-up, as in DESIGN.md's package table: a package may depend only on earlier rows.
+# Bottom-up, as in docs/architecture.md's package table: a package may depend only on earlier rows.
 TABLE = [
     ("shard-planner", "shard-planner", "shard_planner"),
     ("ragged-placement", "ragged-placement", "ragged_placement"),

@@ -1,6 +1,6 @@
 """DBuffer: a group of tensors living in one planned, evenly sharded buffer.
 
-Memory model (see DESIGN.md, "DBuffer"):
+Memory model (see docs/architecture.md, "DBuffer"):
 - `local` is this rank's S elements (one allocation); each tensor's sharded piece is a view of
   it and is exposed as a RaggedShard DTensor (`sharded(name)`).
 - `unshard()` all-gathers `local` straight into one global buffer of m * S elements; each

@@ -19,8 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
-from ragged_placement import RaggedShard
-from ragged_placement._placement import chunk_range
+from ragged_placement import RaggedShard, chunk_range
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,9 @@
 
 Importing the package installs RaggedShard support into torch's own DTensor (see
 `ragged_placement._compat`): `distribute_tensor`, `DTensor.from_local`, `redistribute`,
-`full_tensor`, autograd through them, elementwise and `_foreach_*` ops, and whole-tensor
-`sum` / `mean` / `linalg_vector_norm` / `_foreach_norm`. DTensors without a RaggedShard are
+`full_tensor`, autograd through them, elementwise and `_foreach_*` ops, whole-tensor
+`sum` / `mean` / `any` / `linalg_vector_norm` / `_foreach_norm`, in-place random fills
+(`nn.init`) and loading full state dicts. DTensors without a RaggedShard are
 left exactly as torch handles them.
 
 Example (`mesh`: a 1-D DeviceMesh of one rank; `weight`: an 8 x 4 tensor):
@@ -19,7 +20,7 @@ from ragged_placement._comm_counter import Collective, CommCounter
 from ragged_placement._compat import SUPPORTED_TORCH, check_torch_version
 from ragged_placement._compat import install as _install
 from ragged_placement._integration import RaggedHooks as _RaggedHooks
-from ragged_placement._placement import RaggedShard, StridedRaggedShard
+from ragged_placement._placement import RaggedShard, StridedRaggedShard, chunk_range
 from ragged_placement._views import flat_range, local_view, with_local, with_locals
 
 __version__ = "0.1.0"
@@ -32,6 +33,7 @@ __all__ = [
     "StridedRaggedShard",
     "__version__",
     "check_torch_version",
+    "chunk_range",
     "flat_range",
     "local_view",
     "with_local",

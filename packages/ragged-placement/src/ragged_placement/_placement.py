@@ -19,7 +19,12 @@ from torch.distributed.tensor.placement_types import Placement
 
 
 def chunk_range(size: int, parts: int, index: int) -> tuple[int, int]:
-    """[start, end) of part `index` when torch.chunk splits `size` into `parts` (Shard(d))."""
+    """[start, end) of part `index` when torch.chunk splits `size` into `parts` (Shard(d)).
+
+    Example:
+        >>> [chunk_range(10, 4, i) for i in range(4)]  # chunks of ceil(10 / 4) = 3
+        [(0, 3), (3, 6), (6, 9), (9, 10)]
+    """
     chunk = -(-size // parts) if size else 0
     lo = min(index * chunk, size)
     return lo, min(lo + chunk, size)

@@ -245,7 +245,8 @@ def plan_layout(
             only when the others leave more than 0.1% of the group above the lower bound).
 
     Returns:
-        A validated Layout whose S meets all three constraints of DESIGN.md.
+        A validated Layout whose S meets all three constraints (docs/architecture.md, "The
+        layout problem").
 
     Raises:
         TypeError: `specs` holds something other than TensorSpec, or a count is not an int.
