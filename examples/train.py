@@ -20,7 +20,6 @@ import argparse
 import functools
 import gc
 import json
-import math
 import os
 import pathlib
 import statistics
@@ -213,13 +212,13 @@ def padding_bytes(model: nn.Module, engine: str) -> int:
         from fsdp_engine import sharding_summary
 
         return sum(g.padding_bytes for g in sharding_summary(model))
-    world = dist.get_world_size()
-    total = 0
-    for p in model.parameters():  # FSDP2: every parameter padded to a multiple of W rows
-        rows = p.shape[0]
-        padded_rows = math.ceil(rows / world) * world
-        total += (padded_rows - rows) * (p.numel() // max(rows, 1)) * p.element_size()
-    return total
+    from shard_planner import TensorSpec, fsdp2_padding
+
+    world = dist.get_world_size()  # FSDP2: every parameter padded to a multiple of W rows
+    return sum(
+        fsdp2_padding([TensorSpec.from_shape(name, tuple(p.shape))], world) * p.element_size()
+        for name, p in model.named_parameters()
+    )
 
 
 # -- checkpoints --------------------------------------------------------------------------------

@@ -85,3 +85,17 @@ def test_collective_names_and_foreach_ops() -> None:
     _compat.foreach_copy_(dst, [torch.ones(2, dtype=torch.bfloat16), torch.full((3,), 2.0)])
     _compat.foreach_add_(dst, [torch.ones(2), torch.ones(3)])
     assert torch.equal(dst[0], torch.full((2,), 2.0)) and torch.equal(dst[1], torch.full((3,), 3.0))
+
+
+def test_view_storage_and_version_helpers() -> None:
+    base = torch.zeros(6)
+    view = base[2:5]
+    assert _compat.is_view(view) and not _compat.is_view(base)
+    assert _compat.base_of(view) is base and _compat.base_of(base) is None
+    assert _compat.storage_key(view) == _compat.storage_key(base)
+    assert _compat.storage_key(torch.zeros(6)) != _compat.storage_key(base)
+    before = _compat.version_of(base)
+    view.add_(1)
+    assert _compat.version_of(base) == _compat.version_of(view) == before + 1
+    assert _compat.TENSOR_DATA_GET(view).data_ptr() == view.data_ptr()
+    assert _compat.TENSOR_IS_VIEW(view)

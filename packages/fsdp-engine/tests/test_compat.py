@@ -74,3 +74,14 @@ def test_map_tensors_keeps_every_container_class() -> None:
     for doubled in (out[0][0], out[1]["p"].a, out[1]["c"]["t"], out[2]["n"].x):
         assert torch.equal(doubled, one * 2)
     assert torch.equal(tree[1]["c"]["t"], one)  # the input is not modified
+
+
+def test_parameter_slots_is_the_live_parameter_dict() -> None:
+    linear = torch.nn.Linear(2, 3)
+    slots = _compat.parameter_slots(linear)
+    assert set(slots) == {"weight", "bias"} and slots["weight"] is linear.weight
+    replacement = torch.nn.Parameter(torch.zeros(3, 2))
+    slots["weight"] = replacement
+    assert linear.weight is replacement and dict(linear.named_parameters())["weight"] is replacement
+    del slots["bias"]
+    assert [name for name, _ in linear.named_parameters()] == ["weight"]

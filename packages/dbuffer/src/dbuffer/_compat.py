@@ -11,6 +11,11 @@
 - `all_gather_single` / `reduce_scatter_single`: torch.distributed's names since 2.13; before,
   the same collectives are `all_gather_into_tensor` / `reduce_scatter_tensor` (chosen once,
   by which name exists).
+- `is_view(t)`, `base_of(t)`, `storage_key(t)`, `version_of(t)`, `TENSOR_IS_VIEW`,
+  `TENSOR_DATA_GET`: a tensor's `_is_view()` and `_base`, its storage's `_cdata` (which
+  storage it aliases), its autograd `_version`, and the functions `Tensor._is_view` /
+  `Tensor.data.__get__` as `__torch_function__` sees them (the debug guard of `_views.py`
+  matches on them).
 - `foreach_copy_(dst, src)` / `foreach_add_(dst, src)`: `torch._foreach_copy_` /
   `torch._foreach_add_`, one dispatch for a whole list of tensors (casting as `copy_` does).
 Tested on the torch versions `ragged_placement.SUPPORTED_TORCH` names; others are refused at
@@ -29,13 +34,19 @@ from torch.profiler import record_function
 from ragged_placement import check_torch_version
 
 __all__ = [
+    "TENSOR_DATA_GET",
+    "TENSOR_IS_VIEW",
     "all_gather_single",
+    "base_of",
     "foreach_add_",
     "foreach_copy_",
+    "is_view",
     "plain_tensor_ops",
     "profiler_range",
     "reduce_scatter_single",
     "set_version",
+    "storage_key",
+    "version_of",
 ]
 
 
@@ -72,3 +83,28 @@ def foreach_add_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> No
 
 
 check_torch_version("dbuffer")
+
+
+TENSOR_IS_VIEW = torch.Tensor._is_view
+TENSOR_DATA_GET = torch.Tensor.data.__get__  # type: ignore[attr-defined]
+
+
+def is_view(tensor: torch.Tensor) -> bool:
+    """Whether autograd records `tensor` as a view of another tensor."""
+    return tensor._is_view()
+
+
+def base_of(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The tensor `tensor` is a view of (None if it is not a view)."""
+    return tensor._base
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """An id of the storage `tensor` aliases, shared by every view of it."""
+    key: int = tensor.untyped_storage()._cdata
+    return key
+
+
+def version_of(tensor: torch.Tensor) -> int:
+    """The autograd version counter `tensor` shares with its views."""
+    return tensor._version

@@ -27,7 +27,15 @@ from typing import Any, Protocol
 
 import torch
 
-from dbuffer._compat import plain_tensor_ops
+from dbuffer._compat import (
+    TENSOR_DATA_GET,
+    TENSOR_IS_VIEW,
+    base_of,
+    is_view,
+    plain_tensor_ops,
+    storage_key,
+    version_of,
+)
 
 # Tensor methods that read no element: allowed on a freed view.
 _METADATA: frozenset[Callable[..., Any]] = frozenset(
@@ -48,7 +56,7 @@ _METADATA: frozenset[Callable[..., Any]] = frozenset(
         torch.Tensor.requires_grad_,
         torch.Tensor.register_hook,
         torch.Tensor.register_post_accumulate_grad_hook,
-        torch.Tensor._is_view,
+        TENSOR_IS_VIEW,
         torch.Tensor.__len__,
     }
 )
@@ -92,7 +100,7 @@ class BufferView(torch.Tensor):
             if views and torch.is_grad_enabled() and not torch.compiler.is_compiling():
                 # Ops that save a view for backward get its freed check at unpack time.
                 # Kernels save their own aliases (linear saves weight.t()): match by storage.
-                owners = {v.untyped_storage()._cdata: v for v in views}
+                owners = {storage_key(v): v for v in views}
                 pack = functools.partial(_pack, owners)
                 with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
                     out = func(*args, **kwargs)
@@ -118,11 +126,11 @@ class _Saved:
     def __init__(self, tensor: torch.Tensor, owner: BufferView) -> None:
         self.tensor = tensor
         self.what, self.memory = owner.what, owner.memory
-        self.version = tensor._version
+        self.version = version_of(tensor)
 
 
 def _pack(owners: dict[int, BufferView], tensor: torch.Tensor) -> object:
-    owner = owners.get(tensor.untyped_storage()._cdata)
+    owner = owners.get(storage_key(tensor))
     return tensor if owner is None else _Saved(tensor, owner)
 
 
@@ -137,10 +145,10 @@ def _unpack(saved: object) -> torch.Tensor:
                 f"{saved.what} is freed; backward needs it (autograd saved it in forward). "
                 f"{_hint(saved.what)}"
             )
-        if tensor._version != saved.version:
+        if version_of(tensor) != saved.version:
             raise RuntimeError(
                 f"one of the variables needed for gradient computation has been modified by "
-                f"an inplace operation: {saved.what} is at version {tensor._version}; expected "
+                f"an inplace operation: {saved.what} is at version {version_of(tensor)}; expected "
                 f"version {saved.version} instead"
             )
     return tensor
@@ -188,17 +196,17 @@ def _rewrap(out: Any, views: list[BufferView], func: Callable[..., Any]) -> Any:
         return out
     if func is _DETACH or func == _DATA:  # aliases that autograd does not mark as views
         return guard(out, views[0].what, views[0].memory) if views else out
-    if not out._is_view():
+    if not is_view(out):
         return out
-    base = out._base
+    base = base_of(out)
     for view in views:
-        if base is view or base is view._base:
+        if base is view or base is base_of(view):
             return guard(out, view.what, view.memory)
     return out
 
 
 _DETACH = torch.Tensor.detach
-_DATA = torch.Tensor.data.__get__  # type: ignore[attr-defined]
+_DATA = TENSOR_DATA_GET
 
 
 def buffer_views(

@@ -14,6 +14,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import Shard
 
 from dbuffer import DBuffer
+from fsdp_engine._compat import parameter_slots
 from fsdp_engine._group import Location, ManagedParam, ParamGroup
 from fsdp_engine._module import _STATE, FSDPModule, state_of
 from fsdp_engine._state import FSDPState
@@ -206,7 +207,7 @@ def _collect_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]) 
     for index, mod in enumerate(modules):
         prefix = f"{index}." if len(modules) > 1 else ""
         for sub_name, sub in _modules_outside_groups(mod):
-            for attr, param in list(sub._parameters.items()):
+            for attr, param in list(parameter_slots(sub).items()):
                 if param is None or param in ignored:
                     continue
                 fqn = prefix + (f"{sub_name}.{attr}" if sub_name else attr)

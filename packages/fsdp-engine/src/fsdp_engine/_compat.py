@@ -6,6 +6,10 @@
 - `map_tensors(tree, fn)`: torch's pytree (`torch.utils._pytree`), which knows the containers
   libraries register with it (transformers' `ModelOutput`), as FSDP2 walks module inputs and
   outputs.
+- `parameter_slots(module)`: `module._parameters`, the dict `nn.Module` keeps its own
+  parameters in; the engine swaps sharded and gathered parameters in it directly
+  (`register_parameter` would check and re-run hooks per parameter per step) and takes
+  entries out around `nn.Module._apply`.
 - `profiler_range(name)`: `torch.profiler.record_function(name)` only while a profiler runs
   (`torch._C._autograd._profiler_enabled`): a range costs ~8 us even with no profiler, and
   a step enters a few per group.
@@ -22,12 +26,13 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
+from torch import nn
 from torch.profiler import record_function
 from torch.utils import _pytree as pytree
 
 from ragged_placement import check_torch_version
 
-__all__ = ["map_tensors", "profiler_range", "queue_backward_callback"]
+__all__ = ["map_tensors", "parameter_slots", "profiler_range", "queue_backward_callback"]
 
 
 def queue_backward_callback(fn: Callable[[], None]) -> None:
@@ -61,6 +66,12 @@ def map_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         return value
 
     return pytree.tree_map(leaf, tree)
+
+
+def parameter_slots(module: nn.Module) -> dict[str, nn.Parameter | None]:
+    """The dict `module` registers its own parameters in (names to parameters), live."""
+    slots: dict[str, nn.Parameter | None] = module._parameters
+    return slots
 
 
 _NO_RANGE = nullcontext()

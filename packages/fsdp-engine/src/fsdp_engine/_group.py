@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from dbuffer import DBuffer, Handle
-from fsdp_engine._compat import profiler_range
+from fsdp_engine._compat import parameter_slots, profiler_range
 
 Location = tuple[nn.Module, str]
 
@@ -99,7 +99,11 @@ class ParamGroup:
         for param in self.params:
             self.members.setdefault(param.buffer, []).append(param)
         self.buffers = list(self.members)
-        self._slots = [(module, attr, p) for p in self.params for module, attr in p.locations]
+        # (the module's parameter dict, name, parameter) for every place a parameter is
+        # registered: swapping sharded and gathered parameters is one dict write each.
+        self._slots = [
+            (parameter_slots(module), attr, p) for p in self.params for module, attr in p.locations
+        ]
 
     @property
     def data_parallel_size(self) -> int:
@@ -138,8 +142,8 @@ class ParamGroup:
                 full = param.buffer.full(param.name, dtype=dtype)
                 param.unsharded = nn.Parameter(full, requires_grad=param.requires_grad)
                 param.compute_dtype = dtype
-        for module, attr, param in self._slots:
-            module._parameters[attr] = param.unsharded
+        for slots, attr, param in self._slots:
+            slots[attr] = param.unsharded
 
     def reshard(self) -> None:
         """Frees the gathered memory and registers the sharded parameters again."""
@@ -148,8 +152,8 @@ class ParamGroup:
                 buffer.reshard()
             self._unshard_handles = []
             self.is_unsharded = False
-        for module, attr, param in self._slots:
-            module._parameters[attr] = param.sharded
+        for slots, attr, param in self._slots:
+            slots[attr] = param.sharded
 
     # -- gradients ----------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_engine._compat import parameter_slots
 from fsdp_engine._group import move_storage
 from fsdp_engine._state import FSDPState
 
@@ -316,12 +317,12 @@ class FSDPModule:
         group.reshard()
         saved = [(p, module, attr) for p in group.params for module, attr in p.locations]
         for _, module, attr in saved:
-            del module._parameters[attr]
+            del parameter_slots(module)[attr]
         try:
             result = super()._apply(fn, recurse)  # type: ignore[misc]
         finally:
             for param, module, attr in saved:
-                module._parameters[attr] = param.sharded
+                parameter_slots(module)[attr] = param.sharded
         move_storage(group, fn)
         return result
 
