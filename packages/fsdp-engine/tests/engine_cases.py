@@ -572,9 +572,7 @@ def check_meta_init() -> dict[str, int]:
         _init_weights(model)
 
     peak = peak_live_bytes(build)
-    shard_bytes = sum(
-        s._fsdp_engine_state.group.buffers[0].local.numel() * 4 for s in (model, *model.layers)
-    )
+    shard_bytes = sum(g.shard_numel * g.dtype.itemsize for g in fsdp_engine.sharding_summary(model))
     reference.to_empty(device="cpu")
     torch.manual_seed(0)
     _init_weights(reference)
