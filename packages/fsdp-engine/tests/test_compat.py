@@ -85,3 +85,13 @@ def test_parameter_slots_is_the_live_parameter_dict() -> None:
     assert linear.weight is replacement and dict(linear.named_parameters())["weight"] is replacement
     del slots["bias"]
     assert [name for name, _ in linear.named_parameters()] == ["weight"]
+
+
+def test_in_backward_only_while_autograd_runs_a_backward() -> None:
+    seen: list[bool] = []
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda grad: seen.append(_compat.in_backward()))
+    assert not _compat.in_backward()
+    y.sum().backward()
+    assert seen == [True] and not _compat.in_backward()

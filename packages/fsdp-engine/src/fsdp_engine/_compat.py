@@ -3,6 +3,8 @@
 - `queue_backward_callback(fn)`: `Variable._execution_engine.queue_callback`, which runs `fn`
   once the current backward pass has finished (the engine's end-of-backward work: reduce the
   groups no hook reached, wait for the reduce-scatters, hand out the sharded gradients).
+- `in_backward()`: `torch._C._current_graph_task_id() != -1`, true while the autograd engine
+  runs a backward pass on this thread (activation checkpointing recomputes forward there).
 - `map_tensors(tree, fn)`: torch's pytree (`torch.utils._pytree`), which knows the containers
   libraries register with it (transformers' `ModelOutput`), as FSDP2 walks module inputs and
   outputs.
@@ -32,12 +34,23 @@ from torch.utils import _pytree as pytree
 
 from ragged_placement import check_torch_version
 
-__all__ = ["map_tensors", "parameter_slots", "profiler_range", "queue_backward_callback"]
+__all__ = [
+    "in_backward",
+    "map_tensors",
+    "parameter_slots",
+    "profiler_range",
+    "queue_backward_callback",
+]
 
 
 def queue_backward_callback(fn: Callable[[], None]) -> None:
     """Runs `fn` when the backward pass now running finishes (call it from inside backward)."""
     torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def in_backward() -> bool:
+    """Whether this thread is inside a backward pass (e.g. a checkpointed recompute)."""
+    return bool(torch._C._current_graph_task_id() != -1)
 
 
 def map_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

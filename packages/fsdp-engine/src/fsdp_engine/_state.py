@@ -28,7 +28,12 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from fsdp_engine._compat import map_tensors, profiler_range, queue_backward_callback
+from fsdp_engine._compat import (
+    in_backward,
+    map_tensors,
+    profiler_range,
+    queue_backward_callback,
+)
 from fsdp_engine._group import ParamGroup, used_anywhere
 
 
@@ -157,20 +162,25 @@ class FSDPState:
                 if state.group is not None:
                     state.group.release_unused_gradients()
         first = self.phase is not Phase.FORWARD  # the first module of this group to run
+        # Activation checkpointing recomputes forward inside backward: that is not a run of
+        # its own (no order recorded, no prefetch, no post-backward owed for it).
+        recompute = in_backward()
         if first:
-            if self.is_root:  # a new root forward: a new forward order
+            if self.is_root and not recompute:  # a new root forward: a new forward order
                 context.last_forward_order = context.forward_order
                 context.forward_order = []
             self.phase = Phase.FORWARD
-            if torch.is_grad_enabled():
+            if torch.is_grad_enabled() and not recompute:
                 self._num_forward_runs += 1
             if self.group is not None:
                 position = len(context.forward_order)
-                context.forward_order.append(self)
+                if not recompute:
+                    context.forward_order.append(self)
                 with profiler_range(f"FSDP::pre_forward({self.group.label})"):
                     self.group.unshard()
                     self.group.wait_for_unshard()
-                    self._prefetch(self._forward_targets(position), "forward")
+                    if not recompute:
+                        self._prefetch(self._forward_targets(position), "forward")
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             dtype = self.mp_policy.param_dtype
             args, kwargs = _cast_floats((args, kwargs), dtype)
@@ -187,11 +197,13 @@ class FSDPState:
         self._modules_done = set()
         self.phase = Phase.IDLE
         context = self.context
-        if context is not None and self.group is not None and torch.is_grad_enabled():
-            # Only forwards that a backward will follow: an eval loop records nothing.
+        recompute = in_backward()  # activation checkpointing: backward reads these next
+        # Only forwards that a backward will follow (not an eval loop, not a recompute).
+        recorded = torch.is_grad_enabled() and not recompute
+        if context is not None and self.group is not None and recorded:
             self._post_forward_positions.append(len(context.post_forward_order))
             context.post_forward_order.append(self)
-        if self.group is not None and self.reshard_after_forward:
+        if self.group is not None and self.reshard_after_forward and not recompute:
             with profiler_range(f"FSDP::post_forward({self.group.label})"):
                 self.group.reshard()
         if torch.is_grad_enabled() and self.group is not None:
