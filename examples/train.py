@@ -12,6 +12,10 @@ Every rank draws its share of the same global batch for a step, so the data (and
 curve, up to floating-point summation order) does not depend on the engine or the world size.
 Rank 0 shows a progress bar, writes `<out>/<engine>.json` (losses, timings, memory, copies,
 padding) and prints 300 characters sampled from the trained model.
+
+What you adapt comes first: `build` (the model, sharded block by block and then the root),
+`make_optimizer` and `train` (the step). Measurement, the command line, data and checkpoints
+follow.
 """
 
 from __future__ import annotations
@@ -41,6 +45,271 @@ from profiling import engine_copies, peak_live_bytes
 
 DATA = pathlib.Path(__file__).parent / "data" / "tinyshakespeare.txt"
 MEASURE_STEPS = (3, 4)  # profiled (peak memory, copies), left out of the timings
+
+
+# -- model and engine --------------------------------------------------------------------------
+
+
+def build(args: argparse.Namespace, vocab: int, device: torch.device) -> nn.Module:
+    """The decoder, with each block and then the root sharded by the chosen engine."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    cfg = Config(
+        vocab=vocab,
+        dim=args.dim,
+        num_heads=args.heads,
+        num_layers=args.layers,
+        hidden=int(8 * args.dim / 3 + 63) // 64 * 64,
+        num_experts=args.moe,
+    )
+    torch.manual_seed(args.seed)
+    model = Decoder(cfg).to(device)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mp = MixedPrecisionPolicy()
+    if args.mixed_precision == "bf16":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if args.engine == "ours":
+        from fsdp_engine import fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard  # type: ignore[assignment]
+    kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": mp}
+    if args.optimizer == "adamw8bit":  # whole 32 x 32 quantization blocks on every rank
+        kwargs["block_rows"] = lambda fqn, p: 32 if p.dim() == 2 else 1
+    for layer in model.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def make_optimizer(name: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """AdamW, AdamW8bit, or Muon on the blocks' matrices with AdamW on everything else.
+
+    Embeddings, the output head and norms are not hidden matrices (Muon's update suits only
+    those), so they go to Muon's AdamW groups; "match_rms_adamw" scales Muon's update to
+    AdamW's RMS, so one learning rate serves both.
+    """
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    from ragged_optimizers import AdamW8bit, Muon
+
+    if name == "adamw8bit":
+        return AdamW8bit(model.named_parameters(), lr=lr, weight_decay=0.1)
+    named = list(model.named_parameters())
+    hidden = [(n, p) for n, p in named if n.startswith("layers.") and p.dim() >= 2]
+    rest = [(n, p) for n, p in named if not (n.startswith("layers.") and p.dim() >= 2)]
+    return Muon(
+        [{"params": hidden}, {"params": rest, "use_muon": False}],
+        lr=lr,
+        weight_decay=0.1,
+        adjust_lr="match_rms_adamw",
+        adamw_lr=lr,
+        adamw_betas=(0.9, 0.95),
+        adamw_eps=1e-8,
+        adamw_weight_decay=0.1,
+    )
+
+
+def padding_bytes(model: nn.Module, engine: str) -> int:
+    """Bytes of padding in the sharded parameters, over all ranks."""
+    if engine == "ours":
+        from fsdp_engine import sharding_summary
+
+        return sum(g.padding_bytes for g in sharding_summary(model))
+    from shard_planner import TensorSpec, fsdp2_padding
+
+    world = dist.get_world_size()  # FSDP2: every parameter padded to a multiple of W rows
+    return sum(
+        fsdp2_padding([TensorSpec.from_shape(name, tuple(p.shape))], world) * p.element_size()
+        for name, p in model.named_parameters()
+    )
+
+
+# -- training -----------------------------------------------------------------------------------
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    """Trains on this rank; returns the run's record (the same on every rank)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = _device(args.device, rank)
+    text = Text(args.data)
+    model = build(args, len(text.chars), device)  # each block, then the root, sharded
+    opt = make_optimizer(args.optimizer, model, args.lr)
+    start = load(args.resume, model, opt) if args.resume is not None else 0
+    per_rank = args.global_batch // world
+
+    def my_rows(step: int) -> torch.Tensor:  # this rank's share of the step's global batch
+        batch = text.batch("train", args.seed, step, args.global_batch, args.seq_len)
+        return batch[rank * per_rank : (rank + 1) * per_rank].to(device)
+
+    def step_fn(step: int) -> float:
+        tokens = my_rows(step)
+        loss = loss_fn(model(tokens), tokens)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        value = loss.detach().float()
+        dist.all_reduce(value)
+        return value.item() / world
+
+    def lead_in(step: int) -> None:
+        # Gradients computed and dropped (the step itself computes them again): what the
+        # engine allocates for them, and frees in the measured step, is then counted.
+        tokens = my_rows(step)
+        loss_fn(model(tokens), tokens).backward()
+        opt.zero_grad()
+
+    log = _Log(args, rank, start, device)
+    for step in range(start, args.steps):
+        log.step(step, step_fn, lead_in)
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            log.record["val"].append((step + 1, evaluate(model, text, args, device)))
+    log.close()
+    if args.checkpoint is not None:
+        args.checkpoint.mkdir(parents=True, exist_ok=True)
+        save(args.checkpoint, model, opt, args.steps)
+    record = log.finish(world, args.global_batch * args.seq_len)
+    record.update(
+        sample=sample(model, text, args.sample_chars, device, args.seq_len),
+        padding_bytes=padding_bytes(model, args.engine),
+        unigram_entropy=text.unigram_entropy(),
+        num_params=sum(p.numel() for p in model.parameters()),
+    )
+    return record
+
+
+def evaluate(model: nn.Module, text: Text, args: argparse.Namespace, device: torch.device) -> float:
+    """Mean validation loss over 4 fixed global batches."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per_rank = args.global_batch // world
+    losses = []
+    with torch.no_grad():
+        for index in range(4):
+            batch = text.batch("val", args.seed + 1, index, args.global_batch, args.seq_len)
+            mine = batch[rank * per_rank : (rank + 1) * per_rank].to(device)
+            losses.append(loss_fn(model(mine), mine))
+    value = torch.stack(losses).mean().float()
+    dist.all_reduce(value)
+    return value.item() / world
+
+
+def sample(model: nn.Module, text: Text, num_chars: int, device: torch.device, seq: int) -> str:
+    """Characters sampled at temperature 0.8 (every rank runs it: forward gathers need all)."""
+    gen = torch.Generator().manual_seed(1234)
+    ids = [text.chars.index("\n")]
+    with torch.no_grad():
+        for _ in range(num_chars):
+            context = torch.tensor([ids[-seq:]], device=device)
+            logits = model(context)[0, -1].float().cpu() / 0.8
+            ids.append(int(torch.multinomial(logits.softmax(-1), 1, generator=gen)))
+    return text.decode(ids[1:])
+
+
+# -- measurement ------------------------------------------------------------------------------
+
+
+def _device(kind: str, rank: int) -> torch.device:
+    if kind != "cuda":
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(device)
+    return device
+
+
+class _Log:
+    """The run's record and rank 0's progress bar.
+
+    Losses, step times (the slowest rank's), and the peak memory and copy kernels of two
+    profiled steps (left out of the timings).
+    """
+
+    def __init__(
+        self, args: argparse.Namespace, rank: int, start: int, device: torch.device
+    ) -> None:
+        self.start, self.device = start, device
+        self.tokens_per_step = args.global_batch * args.seq_len
+        self.record: dict[str, Any] = {
+            "train": [],
+            "val": [],
+            "step_s": [],
+            "engine": args.engine,
+            "optimizer": args.optimizer,
+        }
+        self.every_step_s: list[float] = []  # also the warm-up and profiled steps
+        self.bar = _progress(rank, start, args.steps)
+
+    def step(
+        self, step: int, step_fn: Callable[[int], float], lead_in: Callable[[int], None]
+    ) -> None:
+        """Runs `step_fn(step)`, timed; the steps in MEASURE_STEPS also measured."""
+        measure: Callable[[Callable[[], object]], Any] | None = None
+        if step - self.start == MEASURE_STEPS[0]:
+            measure = functools.partial(
+                peak_live_bytes, include_live=True, lead_in=functools.partial(lead_in, step)
+            )
+        elif step - self.start == MEASURE_STEPS[1]:
+            measure = engine_copies
+        t0 = time.perf_counter()
+        if measure is None:
+            loss = step_fn(step)
+        else:
+            box: list[float] = []
+            result = measure(lambda: box.append(step_fn(step)))
+            loss = box[0]
+            if measure is engine_copies:
+                self.record["copies"] = {
+                    k: {"kernels": c.kernels, "bytes": c.bytes} for k, c in result.items()
+                }
+            else:
+                self.record["peak_live_bytes"] = result
+        elapsed = torch.tensor(time.perf_counter() - t0, device=self.device)  # NCCL: on the GPU
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+        self.every_step_s.append(elapsed.item())
+        if measure is None and step - self.start > 1:  # the first steps warm up
+            self.record["step_s"].append(elapsed.item())
+        self.record["train"].append((step + 1, loss))
+        if self.bar is not None:
+            self.bar.set_postfix(
+                loss=f"{loss:.3f}",
+                tok_s=f"{self.tokens_per_step / elapsed.item():,.0f}",
+                mem=_memory(self.device),
+            )
+            self.bar.update(1)
+
+    def close(self) -> None:
+        """Closes the progress bar."""
+        if self.bar is not None:
+            self.bar.close()
+
+    def finish(self, world: int, tokens_per_step: int) -> dict[str, Any]:
+        """The record with its throughput figures."""
+        record = self.record
+        # Too short a run for steady-state timings (warm-up and profiled steps excluded):
+        # time every step instead, and say so.
+        record["timed_every_step"] = not record["step_s"]
+        step_s = statistics.median(record["step_s"] or self.every_step_s or [float("inf")])
+        record.update(world=world, tokens_per_s=tokens_per_step / step_s, median_step_s=step_s)
+        return record
+
+
+def _progress(rank: int, start: int, steps: int) -> Any:
+    if rank != 0:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=steps, initial=start, unit="step", dynamic_ncols=True, file=sys.stdout)
+
+
+def _memory(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.max_memory_allocated(device) / 2**20:.0f}MiB"
+    import resource
+
+    return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:.0f}MiB rss"
+
+
+# -- command line -------------------------------------------------------------------------------
 
 
 class UsageError(Exception):
@@ -143,84 +412,6 @@ class Text:
         return "".join(self.chars[i] for i in ids)
 
 
-# -- model and engine --------------------------------------------------------------------------
-
-
-def build(args: argparse.Namespace, vocab: int, device: torch.device) -> nn.Module:
-    """The decoder, with each block and then the root sharded by the chosen engine."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    cfg = Config(
-        vocab=vocab,
-        dim=args.dim,
-        num_heads=args.heads,
-        num_layers=args.layers,
-        hidden=int(8 * args.dim / 3 + 63) // 64 * 64,
-        num_experts=args.moe,
-    )
-    torch.manual_seed(args.seed)
-    model = Decoder(cfg).to(device)
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    mp = MixedPrecisionPolicy()
-    if args.mixed_precision == "bf16":
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if args.engine == "ours":
-        from fsdp_engine import fully_shard
-    else:
-        from torch.distributed.fsdp import fully_shard  # type: ignore[assignment]
-    kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": mp}
-    if args.optimizer == "adamw8bit":  # whole 32 x 32 quantization blocks on every rank
-        kwargs["block_rows"] = lambda fqn, p: 32 if p.dim() == 2 else 1
-    for layer in model.layers:
-        fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
-    return model
-
-
-def make_optimizer(name: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
-    """AdamW, AdamW8bit, or Muon on the blocks' matrices with AdamW on everything else.
-
-    Embeddings, the output head and norms are not hidden matrices (Muon's update suits only
-    those), so they go to Muon's AdamW groups; "match_rms_adamw" scales Muon's update to
-    AdamW's RMS, so one learning rate serves both.
-    """
-    if name == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
-    from ragged_optimizers import AdamW8bit, Muon
-
-    if name == "adamw8bit":
-        return AdamW8bit(model.named_parameters(), lr=lr, weight_decay=0.1)
-    named = list(model.named_parameters())
-    hidden = [(n, p) for n, p in named if n.startswith("layers.") and p.dim() >= 2]
-    rest = [(n, p) for n, p in named if not (n.startswith("layers.") and p.dim() >= 2)]
-    return Muon(
-        [{"params": hidden}, {"params": rest, "use_muon": False}],
-        lr=lr,
-        weight_decay=0.1,
-        adjust_lr="match_rms_adamw",
-        adamw_lr=lr,
-        adamw_betas=(0.9, 0.95),
-        adamw_eps=1e-8,
-        adamw_weight_decay=0.1,
-    )
-
-
-def padding_bytes(model: nn.Module, engine: str) -> int:
-    """Bytes of padding in the sharded parameters, over all ranks."""
-    if engine == "ours":
-        from fsdp_engine import sharding_summary
-
-        return sum(g.padding_bytes for g in sharding_summary(model))
-    from shard_planner import TensorSpec, fsdp2_padding
-
-    world = dist.get_world_size()  # FSDP2: every parameter padded to a multiple of W rows
-    return sum(
-        fsdp2_padding([TensorSpec.from_shape(name, tuple(p.shape))], world) * p.element_size()
-        for name, p in model.named_parameters()
-    )
-
-
 # -- checkpoints --------------------------------------------------------------------------------
 
 
@@ -246,152 +437,6 @@ def load(directory: pathlib.Path, model: nn.Module, opt: torch.optim.Optimizer) 
     dcp.load(state, checkpoint_id=str(directory))
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return int(json.loads((directory / "meta.json").read_text())["step"])
-
-
-# -- training -----------------------------------------------------------------------------------
-
-
-def evaluate(model: nn.Module, text: Text, args: argparse.Namespace, device: torch.device) -> float:
-    """Mean validation loss over 4 fixed global batches."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    per_rank = args.global_batch // world
-    losses = []
-    with torch.no_grad():
-        for index in range(4):
-            batch = text.batch("val", args.seed + 1, index, args.global_batch, args.seq_len)
-            mine = batch[rank * per_rank : (rank + 1) * per_rank].to(device)
-            losses.append(loss_fn(model(mine), mine))
-    value = torch.stack(losses).mean().float()
-    dist.all_reduce(value)
-    return value.item() / world
-
-
-def sample(model: nn.Module, text: Text, num_chars: int, device: torch.device, seq: int) -> str:
-    """Characters sampled at temperature 0.8 (every rank runs it: forward gathers need all)."""
-    gen = torch.Generator().manual_seed(1234)
-    ids = [text.chars.index("\n")]
-    with torch.no_grad():
-        for _ in range(num_chars):
-            context = torch.tensor([ids[-seq:]], device=device)
-            logits = model(context)[0, -1].float().cpu() / 0.8
-            ids.append(int(torch.multinomial(logits.softmax(-1), 1, generator=gen)))
-    return text.decode(ids[1:])
-
-
-def train(args: argparse.Namespace) -> dict[str, Any]:
-    """Trains on this rank; returns the run's record (the same on every rank)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cpu")
-    if args.device == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-        torch.cuda.set_device(device)
-    text = Text(args.data)
-    model = build(args, len(text.chars), device)
-    opt = make_optimizer(args.optimizer, model, args.lr)
-    start = load(args.resume, model, opt) if args.resume is not None else 0
-    per_rank = args.global_batch // world
-    tokens_per_step = args.global_batch * args.seq_len
-    record: dict[str, Any] = {
-        "train": [],
-        "val": [],
-        "step_s": [],
-        "engine": args.engine,
-        "optimizer": args.optimizer,
-    }
-
-    def step_fn(step: int) -> float:
-        batch = text.batch("train", args.seed, step, args.global_batch, args.seq_len)
-        mine = batch[rank * per_rank : (rank + 1) * per_rank].to(device)
-        loss = loss_fn(model(mine), mine)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        value = loss.detach().float()
-        dist.all_reduce(value)
-        return value.item() / world
-
-    def lead_in(step: int) -> None:
-        # Gradients computed and dropped (the step itself computes them again): what the
-        # engine allocates for them, and frees in the measured step, is then counted.
-        batch = text.batch("train", args.seed, step, args.global_batch, args.seq_len)
-        mine = batch[rank * per_rank : (rank + 1) * per_rank].to(device)
-        loss_fn(model(mine), mine).backward()
-        opt.zero_grad()
-
-    every_step_s: list[float] = []  # also the warm-up and profiled steps
-    bar = _progress(rank, start, args.steps)
-    for step in range(start, args.steps):
-        measure: Callable[[Callable[[], object]], Any] | None = None
-        if step - start == MEASURE_STEPS[0]:
-            measure = functools.partial(
-                peak_live_bytes, include_live=True, lead_in=functools.partial(lead_in, step)
-            )
-        elif step - start == MEASURE_STEPS[1]:
-            measure = engine_copies
-        t0 = time.perf_counter()
-        if measure is None:
-            loss = step_fn(step)
-        else:
-            box: list[float] = []
-            result = measure(lambda s=step, out=box: out.append(step_fn(s)))
-            loss = box[0]
-            key = "copies" if measure is engine_copies else "peak_live_bytes"
-            record[key] = (
-                result
-                if key == "peak_live_bytes"
-                else {k: {"kernels": c.kernels, "bytes": c.bytes} for k, c in result.items()}
-            )
-        elapsed = torch.tensor(time.perf_counter() - t0, device=device)  # NCCL: on the GPU
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-        every_step_s.append(elapsed.item())
-        if measure is None and step - start > 1:  # the first steps warm up
-            record["step_s"].append(elapsed.item())
-        record["train"].append((step + 1, loss))
-        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            record["val"].append((step + 1, evaluate(model, text, args, device)))
-        if bar is not None:
-            bar.set_postfix(
-                loss=f"{loss:.3f}",
-                tok_s=f"{tokens_per_step / elapsed.item():,.0f}",
-                mem=_memory(device),
-            )
-            bar.update(1)
-    if bar is not None:
-        bar.close()
-    if args.checkpoint is not None:
-        args.checkpoint.mkdir(parents=True, exist_ok=True)
-        save(args.checkpoint, model, opt, args.steps)
-    record["sample"] = sample(model, text, args.sample_chars, device, args.seq_len)
-    # Too short a run for steady-state timings (warm-up and profiled steps excluded): time
-    # every step instead, and say so.
-    record["timed_every_step"] = not record["step_s"]
-    step_s = statistics.median(record["step_s"] or every_step_s or [float("inf")])
-    record.update(
-        world=world,
-        tokens_per_s=tokens_per_step / step_s,
-        median_step_s=step_s,
-        padding_bytes=padding_bytes(model, args.engine),
-        unigram_entropy=text.unigram_entropy(),
-        num_params=sum(p.numel() for p in model.parameters()),
-    )
-    return record
-
-
-def _progress(rank: int, start: int, steps: int) -> Any:
-    if rank != 0:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=steps, initial=start, unit="step", dynamic_ncols=True, file=sys.stdout)
-
-
-def _memory(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"{torch.cuda.max_memory_allocated(device) / 2**20:.0f}MiB"
-    import resource
-
-    return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:.0f}MiB rss"
 
 
 # -- entry points -------------------------------------------------------------------------------
