@@ -53,13 +53,27 @@ def in_backward() -> bool:
     return bool(torch._C._current_graph_task_id() != -1)
 
 
+_SCALARS = (bool, int, float, complex, str, bytes)
+
+
 def map_tensors(tree: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """`tree` with `fn` applied to every tensor in it, every container keeping its class.
 
     Containers are what torch's pytree knows (tuples, lists, dicts, namedtuples, OrderedDict,
     and classes libraries register, such as transformers' `ModelOutput`), plus dataclasses and
-    dict subclasses it does not know (walked field by field, item by item).
+    dict subclasses it does not know (walked field by field, item by item). Tensors and plain
+    tuples, lists and dicts are walked here directly: the hooks call this for every group's
+    inputs and outputs, and pytree costs tens of Python calls per walk.
     """
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    cls = type(tree)
+    if cls is tuple or cls is list:
+        return cls([map_tensors(item, fn) for item in tree])
+    if cls is dict:
+        return {key: map_tensors(item, fn) for key, item in tree.items()}
+    if tree is None or cls in _SCALARS:
+        return tree
 
     def leaf(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
