@@ -94,3 +94,14 @@ def test_strided_value_semantics_and_rows() -> None:
         StridedRaggedShard((0, 1), (1, 1), 2)
     with pytest.raises(ValueError, match="split_factor must be an int >= 1, got 0"):
         StridedRaggedShard((0,), (1, 1), 0)
+
+
+def test_chunk_range_rejects_bad_input() -> None:
+    import pytest
+
+    from ragged_placement import chunk_range
+
+    assert [chunk_range(0, 2, i) for i in range(2)] == [(0, 0), (0, 0)]
+    for size, parts, index in ((-1, 2, 0), (4, 0, 0), (4, 2, 2), (4, 2, -1)):
+        with pytest.raises(ValueError, match="chunk_range needs"):
+            chunk_range(size, parts, index)

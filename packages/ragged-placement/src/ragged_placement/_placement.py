@@ -25,6 +25,11 @@ def chunk_range(size: int, parts: int, index: int) -> tuple[int, int]:
         >>> [chunk_range(10, 4, i) for i in range(4)]  # chunks of ceil(10 / 4) = 3
         [(0, 3), (3, 6), (6, 9), (9, 10)]
     """
+    if size < 0 or parts < 1 or not 0 <= index < parts:
+        raise ValueError(
+            f"chunk_range needs size >= 0, parts >= 1 and 0 <= index < parts; got size={size}, "
+            f"parts={parts}, index={index}"
+        )
     chunk = -(-size // parts) if size else 0
     lo = min(index * chunk, size)
     return lo, min(lo + chunk, size)
