@@ -12,7 +12,9 @@ three ways, alternating in one run:
   runs Newton-Schulz on all of them, then keeps its piece.
 AdamW8bit runs against torch.optim.AdamW (foreach) on all parameters. Reported per W: the
 slowest rank's median step, FLOPs makespan of the owner plans, bytes each rank sends per step,
-and state bytes. Writes build/bench/optimizers.json.
+and state bytes. First, in this process: AdamW8bit's step (compiled and eager) against foreach
+AdamW on plain matrices, one thread, with the compile time (the first step) apart
+(`--adam-only` for just that). Writes build/bench/optimizers.json.
 """
 
 from __future__ import annotations
@@ -263,6 +265,65 @@ def _preset_plans(presets: list[str], worlds: list[int]) -> list[dict[str, Any]]
     return rows
 
 
+def _one_process_adamw(args: argparse.Namespace) -> dict[str, Any]:
+    """AdamW8bit (compiled and eager) against torch's foreach AdamW: one process, one thread,
+    plain matrices (half 1024 x 1024, half 1024 x 2816), fixed gradients, steps alternating."""
+    from ragged_optimizers import AdamW8bit
+
+    torch.set_num_threads(1)
+    shapes = [(1024, 1024)] * (args.adam_matrices // 2) + [(1024, 2816)] * (
+        args.adam_matrices - args.adam_matrices // 2
+    )
+    gen = torch.Generator().manual_seed(0)
+    base = [torch.randn(s, generator=gen) * 0.02 for s in shapes]
+    grads = [torch.randn(s, generator=gen) * 1e-3 for s in shapes]
+
+    def params() -> list[torch.nn.Parameter]:
+        out = [torch.nn.Parameter(b.clone()) for b in base]
+        for p, g in zip(out, grads, strict=True):
+            p.grad = g.clone()
+        return out
+
+    opts: dict[str, Any] = {
+        "adamw8bit_compiled": AdamW8bit(params(), fused=True),
+        "adamw8bit_eager": AdamW8bit(params(), fused=False),
+        "adamw_foreach": torch.optim.AdamW(params(), foreach=True),
+    }
+    first: dict[str, float] = {}
+    for name, opt in opts.items():  # the compiled one compiles here
+        start = time.perf_counter()
+        opt.step()
+        first[name] = time.perf_counter() - start
+    times: dict[str, list[float]] = {k: [] for k in opts}
+    for _ in range(args.adam_steps):
+        for name, opt in opts.items():
+            start = time.perf_counter()
+            opt.step()
+            times[name].append(time.perf_counter() - start)
+    ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    path = opts["adamw8bit_compiled"].kernel_paths["cpu"]
+    result = {
+        "num_params": sum(math.prod(s) for s in shapes),
+        "step_ms": ms,
+        "first_step_s": first,
+        "compile_s": path.compile_seconds,
+        "path": str(path),
+    }
+    print(
+        f"\nAdamW8bit, one process, one thread, {args.adam_matrices} matrices "
+        f"({result['num_params'] / 1e6:.1f}M parameters), median of {args.adam_steps} steps"
+    )
+    print("| optimizer | step ms | / foreach AdamW | first step s |")
+    print("| --- | --- | --- | --- |")
+    for name in opts:
+        print(
+            f"| {name} | {ms[name]:.0f} | {ms[name] / ms['adamw_foreach']:.2f} | "
+            f"{first[name]:.1f} |"
+        )
+    print(f"compiled path: {path}")
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", default="2,4")
@@ -270,9 +331,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path, default=ROOT / "build" / "bench" / "optimizers.json")
     parser.add_argument("--plans-only", action="store_true", help="only the preset plan table")
+    parser.add_argument("--adam-matrices", type=int, default=24)
+    parser.add_argument("--adam-steps", type=int, default=5)
+    parser.add_argument("--adam-only", action="store_true", help="only the one-process AdamW")
     args = parser.parse_args()
     plans = _preset_plans(["llama3-8b", "qwen3-30b-a3b", "gpt-oss-120b"], [8, 64, 256])
     if args.plans_only:
+        return
+    one_process = _one_process_adamw(args)
+    if args.adam_only:
         return
     ctx = mp.get_context("spawn")
     results = []
@@ -291,7 +358,11 @@ def main() -> None:
         results.append(result)
         _print(result, args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"steps": results, "preset_plans": plans}, indent=2))
+    args.out.write_text(
+        json.dumps(
+            {"steps": results, "preset_plans": plans, "adamw_one_process": one_process}, indent=2
+        )
+    )
     print(f"wrote {args.out}")
 
 

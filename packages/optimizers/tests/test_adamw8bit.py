@@ -13,13 +13,21 @@ def _pair(shape, seed=0, dtype=torch.float32):
     return torch.nn.Parameter(p.to(dtype)), torch.nn.Parameter(p.clone())
 
 
-def test_first_step_is_fp32_adamw_bitwise() -> None:
-    ours, ref = _pair((96, 70))
-    opt, ref_opt = AdamW8bit([ours]), torch.optim.AdamW([ref], foreach=False)
-    ours.grad = ref.grad = torch.randn(96, 70) * 0.01
-    opt.step()
-    ref_opt.step()
-    assert torch.equal(ours, ref)
+def test_first_step_is_adamw_rounded_once_per_op() -> None:
+    # The first step uses the unquantized moments, so it is AdamW's: each of our float32 ops
+    # is one IEEE operation (torch's CPU AdamW contracts some into FMAs and its sqrt is not
+    # correctly rounded), so we compare with float64 AdamW, to a few float32 roundings of the
+    # parameter and of the step, and with torch's float32 AdamW on almost every element.
+    ours, fp32 = _pair((96, 70))
+    fp64 = torch.nn.Parameter(fp32.detach().double())
+    opts = [AdamW8bit([ours]), torch.optim.AdamW([fp32]), torch.optim.AdamW([fp64])]
+    ours.grad = fp32.grad = torch.randn(96, 70) * 0.01
+    fp64.grad = fp32.grad.double()
+    for opt in opts:
+        opt.step()
+    lr = opts[0].param_groups[0]["lr"]
+    torch.testing.assert_close(ours.double(), fp64, rtol=4 * 2**-24, atol=4 * lr * 2**-24)
+    assert (ours != fp32).float().mean() < 0.01
 
 
 @pytest.mark.parametrize("shape", [(1024, 32), (1024, 1024), (100, 70)])

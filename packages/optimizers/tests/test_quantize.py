@@ -66,6 +66,37 @@ def test_negative_absmax_zero_blocks_and_tiny_values() -> None:
     assert back[0, 0] == 1.0 and not back.reshape(-1)[1:].any()  # below 1.6e-7 x absmax: 0
 
 
+@pytest.mark.parametrize("signed", [True, False])
+def test_codes_are_the_nearest_map_value(signed) -> None:
+    # Against the definition: the number of midpoints between map values below x (ties go
+    # down), on every midpoint and its float neighbours, every 17-bit bin's edges (where the
+    # code lookup changes entry) and random values of all magnitudes.
+    values = dynamic_map(signed)
+    mids = (values[:-1] + values[1:]) / 2
+    up, down = torch.tensor(float("inf")), torch.tensor(-float("inf"))
+    edges = (torch.arange(1 << 16, dtype=torch.int32) << 15).view(torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    magnitudes = torch.exp2(-30 * torch.rand(200_000, generator=gen))
+    signs = torch.randint(0, 2, (200_000,), generator=gen) * 2 - 1
+    x = torch.cat(
+        [
+            mids,
+            mids.nextafter(up),
+            mids.nextafter(down),
+            edges,
+            edges.nextafter(down),
+            magnitudes * signs,
+            torch.tensor([0.0, -0.0, 1e-45, -1e-45]),
+        ]
+    )
+    x = x[(x.abs() <= 1) & (x >= (-1 if signed else 0))]
+    x = torch.cat([torch.tensor([1.0]), x]).view(1, -1)  # absmax 1: codes of x itself
+    codes, scales = quantize(x, (1, x.shape[1]), signed=signed)
+    assert scales.item() == 1.0
+    expected = torch.bucketize(x, mids)  # counts midpoints < x
+    assert torch.equal(codes.long(), expected)
+
+
 def test_codes_are_monotone_in_the_value() -> None:
     x = torch.linspace(-1, 1, 4096).view(1, -1)
     codes, _ = quantize(x, (1, 4096), signed=True)

@@ -153,11 +153,15 @@ def test_exit_waits_for_gloo_worker_threads(tmp_path) -> None:
     # process; the exit handler sleeps (releasing the GIL) while such threads exist.
     result = _python(
         f"""
-        import atexit
+        import time
         import torch.distributed as dist
         from ragged_placement import _compat
         assert not _compat._gloo_threads_alive()
         dist.init_process_group("gloo", init_method="file://{tmp_path}/rdv", rank=0, world_size=1)
+        # The worker threads name themselves some time after they start: wait for it.
+        deadline = time.monotonic() + 30
+        while not _compat._gloo_threads_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert _compat._gloo_threads_alive()
         print("ok")
         """

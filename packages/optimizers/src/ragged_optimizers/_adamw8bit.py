@@ -1,12 +1,13 @@
 """AdamW with both moments in 8 bits, one float32 scale per 2-D block.
 
 Per step and parameter: dequantize the moments, update them and the parameter in float32 (the
-parameter update uses the new unquantized moments, so the first step is fp32 AdamW's), then
-requantize with the new block absmax. The state of a 2-D parameter with at least
-`min_8bit_numel` elements (decided on the global shape, so every mesh makes the same choice)
-is 8-bit; any other keeps float32 moments. A sharded parameter's pieces must hold whole
-blocks of rows, which makes each rank's codes and scales the exact slice of the one-process
-state: the step needs no communication and gives the same bits on any number of ranks.
+parameter update uses the new unquantized moments), then requantize with the new block absmax,
+in one pass over the rank's blocks (`_blockwise.py`, compiled by default). The state of a 2-D
+parameter with at least `min_8bit_numel` elements (decided on the global shape, so every mesh
+makes the same choice) is 8-bit; any other keeps float32 moments. A sharded parameter's pieces
+must hold whole blocks of rows, which makes each rank's codes and scales the exact slice of the
+one-process state: the step needs no communication and gives the same bits on any number of
+ranks.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from torch.distributed.tensor.placement_types import Placement, Replicate
 from torch.optim import Optimizer
 
 from ragged_optimizers._adamw import adamw_step, check_betas, check_nonnegative
+from ragged_optimizers._blockwise import BlockwiseKernel, KernelPath, step_scalars
 from ragged_optimizers._closure import closure_loss
 from ragged_optimizers._layout import Layout, layout_of, local_flat
-from ragged_optimizers._quantize import dequantize, quantize
 from ragged_placement import RaggedShard
 
 
@@ -52,6 +53,10 @@ class AdamW8bit(Optimizer):
         weight_decay: Decoupled weight decay (p *= 1 - lr * weight_decay).
         block_size: (rows, cols) of a quantization block.
         min_8bit_numel: 2-D parameters with fewer elements (global count) keep fp32 state.
+        fused: How the 8-bit update runs. None (default): one torch.compile'd pass per
+            parameter (inductor: C++ on CPU, Triton on CUDA), falling back to eager ops with
+            a warning if the compiler fails; True: compiled or an error; False: eager ops.
+            Both give the same bits on CPU; `kernel_paths` says which ran.
 
     Example:
         >>> layer = torch.nn.Linear(128, 64)
@@ -71,7 +76,10 @@ class AdamW8bit(Optimizer):
         weight_decay: float = 1e-2,
         block_size: tuple[int, int] = (32, 32),
         min_8bit_numel: int = 4096,
+        *,
+        fused: bool | None = None,
     ) -> None:
+        self._kernel = BlockwiseKernel(fused)
         if isinstance(min_8bit_numel, bool) or not isinstance(min_8bit_numel, int):
             raise ValueError(f"min_8bit_numel must be an int, got {min_8bit_numel!r}")
         defaults = {
@@ -85,6 +93,20 @@ class AdamW8bit(Optimizer):
         self._layouts: dict[int, Layout] = {}
         self._param_names: dict[int, str] = {}
         super().__init__(params, defaults)
+
+    @property
+    def kernel_paths(self) -> dict[str, KernelPath]:
+        """Per device type, which update ran (compiled or eager, and why), after a step.
+
+        Example:
+            >>> layer = torch.nn.Linear(128, 64)
+            >>> opt = AdamW8bit(layer.parameters(), fused=False)
+            >>> layer(torch.randn(2, 128)).sum().backward()
+            >>> opt.step()
+            >>> str(opt.kernel_paths["cpu"])
+            'eager (cpu: fused=False)'
+        """
+        return dict(self._kernel.paths)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Adds a param group (checked: hyper-parameters, and block-aligned shards)."""
@@ -135,13 +157,16 @@ class AdamW8bit(Optimizer):
             The closure's loss, or None.
         """
         loss = closure_loss(closure)
+        scalars: dict[Any, torch.Tensor] = {}  # one tensor per distinct step and settings
         for group in self.param_groups:
             for param in group["params"]:
                 if param.grad is not None:
-                    self._update(param, group)
+                    self._update(param, group, scalars)
         return loss
 
-    def _update(self, param: torch.Tensor, group: dict[str, Any]) -> None:
+    def _update(
+        self, param: torch.Tensor, group: dict[str, Any], scalars: dict[Any, torch.Tensor]
+    ) -> None:
         layout = self._layouts[id(param)]
         eight_bit = self._is_8bit(layout, group)
         state = self.state[param]
@@ -151,51 +176,35 @@ class AdamW8bit(Optimizer):
         assert param.grad is not None
         local = local_flat(param)
         grad = local_flat(param.grad)
+        step = int(state["step"].item())
+        if not eight_bit:
+            _fp32_state_update(local, grad, state, step, group)
+            return
+        if local.numel() == 0:
+            return
         block = group["block_size"]
-        cols = layout.shape[-1] if eight_bit else 1
+        cols = layout.shape[-1]
         grid_cols = -(-cols // block[1])
-        if eight_bit:
-            exp_avg, exp_avg_sq = (
-                dequantize(
-                    _local2d(state[key], cols),
-                    _local2d(state[f"{key}_scale"], grid_cols),
-                    block,
-                    signed=signed,
-                ).view(-1)
-                for key, signed in (("exp_avg", True), ("exp_avg_sq", False))
+        key = (step, group["lr"], group["betas"], group["eps"], group["weight_decay"], local.device)
+        if key not in scalars:
+            scalars[key] = step_scalars(
+                step=step,
+                lr=group["lr"],
+                betas=group["betas"],
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                device=local.device,
             )
-        else:
-            exp_avg, exp_avg_sq = local_flat(state["exp_avg"]), local_flat(state["exp_avg_sq"])
-        work = local if local.dtype == torch.float32 else local.float()
-        # One reduction decides the common case; a NaN or Inf anywhere makes the sum
-        # non-finite (as can a finite overflow, which only costs the masked path below).
-        all_finite = bool(torch.isfinite(grad.sum()))
-        finite = torch.isfinite(grad) if not all_finite else None
-        before = None if finite is None else work.clone()
-        grad32 = grad.float() if finite is None else torch.where(finite, grad.float(), 0.0)
-        adamw_step(
-            work,
-            grad32,
-            exp_avg,
-            exp_avg_sq,
-            step=int(state["step"].item()),
-            lr=group["lr"],
-            betas=group["betas"],
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
+        self._kernel(
+            local.view(-1, cols),
+            grad.view(-1, cols),
+            _local2d(state["exp_avg"], cols),
+            _local2d(state["exp_avg_scale"], grid_cols),
+            _local2d(state["exp_avg_sq"], cols),
+            _local2d(state["exp_avg_sq_scale"], grid_cols),
+            scalars[key],
+            block,
         )
-        if finite is not None and before is not None:
-            work.copy_(torch.where(finite, work, before))
-            exp_avg.masked_fill_(~finite, 0.0)
-            exp_avg_sq.masked_fill_(~finite, 0.0)
-        if work is not local:
-            local.copy_(work)
-        if eight_bit:
-            moments = (("exp_avg", exp_avg, True), ("exp_avg_sq", exp_avg_sq, False))
-            for key, values, signed in moments:
-                codes, scales = quantize(values.view(-1, cols), block, signed=signed)
-                local_flat(state[key]).copy_(codes.view(-1))
-                local_flat(state[f"{key}_scale"]).copy_(scales.view(-1))
 
     def _initial_state(
         self, param: torch.Tensor, layout: Layout, group: dict[str, Any], eight_bit: bool
@@ -215,6 +224,40 @@ class AdamW8bit(Optimizer):
             scales = torch.zeros(hi - lo, grid_cols, device=local.device)
             state[f"{key}_scale"] = _wrap_grid(scales, layout, param, rows, grid_cols)
         return state
+
+
+def _fp32_state_update(
+    local: torch.Tensor,
+    grad: torch.Tensor,
+    state: dict[str, Any],
+    step: int,
+    group: dict[str, Any],
+) -> None:
+    """AdamW on float32 moments (small and non-2-D parameters), non-finite elements skipped."""
+    work = local if local.dtype == torch.float32 else local.float()
+    # One reduction decides the common case; a NaN or Inf anywhere makes the sum
+    # non-finite (as can a finite overflow, which only costs the masked path below).
+    finite = None if bool(torch.isfinite(grad.sum())) else torch.isfinite(grad)
+    before = None if finite is None else work.clone()
+    grad32 = grad.float() if finite is None else torch.where(finite, grad.float(), 0.0)
+    exp_avg, exp_avg_sq = local_flat(state["exp_avg"]), local_flat(state["exp_avg_sq"])
+    adamw_step(
+        work,
+        grad32,
+        exp_avg,
+        exp_avg_sq,
+        step=step,
+        lr=group["lr"],
+        betas=group["betas"],
+        eps=group["eps"],
+        weight_decay=group["weight_decay"],
+    )
+    if finite is not None and before is not None:
+        work.copy_(torch.where(finite, work, before))
+        exp_avg.masked_fill_(~finite, 0.0)
+        exp_avg_sq.masked_fill_(~finite, 0.0)
+    if work is not local:
+        local.copy_(work)
 
 
 def _block_rows(layout: Layout, block: tuple[int, int], name: str) -> list[tuple[int, int]]:

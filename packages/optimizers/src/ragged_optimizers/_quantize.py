@@ -45,10 +45,13 @@ def dynamic_map(signed: bool) -> torch.Tensor:
 
 # Nearest-value search without a binary search: a float32 is binned by its top 17 bits (sign,
 # exponent and 8 mantissa bits: bins 2^-8 of a power of two wide). The map's values are at
-# least 0.7% apart, so a bin holds at most one midpoint between neighbouring values; a table
-# gives each bin's code at its low end, and one comparison with the next midpoint finishes.
+# least 0.7% apart, so a bin holds at most one midpoint between neighbouring values. One int32
+# per bin holds the code at the bin's low end (high 16 bits) and where in the bin that midpoint
+# lies (low 16 bits), as a threshold on the element's low 15 bits, flipped for negative
+# numbers so that within a bin a larger key is a larger value: one table read per element.
 _KEY_SHIFT = 15
 _KEY_MASK = (1 << 17) - 1
+_LOW_MASK = (1 << _KEY_SHIFT) - 1
 
 
 @functools.cache
@@ -69,25 +72,59 @@ def _code_table(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return table, torch.cat([midpoints, torch.tensor([float("inf")])])
 
 
-def _nearest_codes(x: torch.Tensor, signed: bool) -> torch.Tensor:
-    """The code of the map value nearest to each element of a contiguous float32 tensor."""
-    table, midpoints = (t.to(x.device) for t in _code_table(signed))
-    flat = x.reshape(-1)
-    keys = (flat.view(torch.int32) >> _KEY_SHIFT) & _KEY_MASK
-    codes = table.index_select(0, keys)
-    return codes + (flat > midpoints.index_select(0, codes.int()))
+def _low_key(bits: torch.Tensor) -> torch.Tensor:
+    """The low 15 bits of float32 bit patterns, flipped for negative numbers."""
+    low = bits & _LOW_MASK
+    return torch.where(bits < 0, low ^ _LOW_MASK, low)
 
 
-def _blocked(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """A (rows, cols) tensor as (row blocks, block_rows, col blocks, block_cols), zero-padded."""
+@functools.cache
+def code_lookup(signed: bool) -> torch.Tensor:
+    """One int32 per 17-bit bin: (code at the bin's low end << 16) | threshold.
+
+    An element x of the bin gets code + 1 when its `_low_key` is at least the threshold, that
+    is when x lies above the bin's midpoint; 2**15 (never reached) when the bin holds none.
+    """
+    table, midpoints = _code_table(signed)
+    base = table.int()
+    midpoint_bits = midpoints[base.long()].view(torch.int32)
+    bins = torch.arange(1 << 17, dtype=torch.int32)
+    in_bin = ((midpoint_bits >> _KEY_SHIFT) & _KEY_MASK) == bins
+    threshold = torch.where(in_bin, _low_key(midpoint_bits) + 1, 1 << _KEY_SHIFT)
+    return (base << 16) | threshold
+
+
+@functools.cache
+def device_tables(device: torch.device, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`dynamic_map(signed)`, `code_lookup(signed)`) on `device`, copied there once."""
+    return dynamic_map(signed).to(device), code_lookup(signed).to(device)
+
+
+def nearest_codes(x: torch.Tensor, lookup: torch.Tensor) -> torch.Tensor:
+    """The code (uint8) of the map value nearest to each element of a float32 tensor.
+
+    Ties go to the lower code. Plain tensor ops only, so that torch.compile fuses it.
+
+    Args:
+        x: Values in [-1, 1] (signed map) or [0, 1] (unsigned), any shape.
+        lookup: `code_lookup(signed)` on x's device (`device_tables`).
+    """
+    bits = x.view(torch.int32)
+    entry = lookup[(bits >> _KEY_SHIFT) & _KEY_MASK]
+    above = (_low_key(bits) >= (entry & 0xFFFF)).int()
+    return ((entry >> 16) + above).to(torch.uint8)
+
+
+def blocked(x: torch.Tensor, block: tuple[int, int], fill: float = 0) -> torch.Tensor:
+    """A (rows, cols) tensor as (row blocks, block_rows, col blocks, block_cols), padded."""
     rows, cols = x.shape
     pad_rows, pad_cols = -rows % block[0], -cols % block[1]
     if pad_rows or pad_cols:
-        x = pad(x, (0, pad_cols, 0, pad_rows))
+        x = pad(x, (0, pad_cols, 0, pad_rows), value=fill)
     return x.view(x.shape[0] // block[0], block[0], x.shape[1] // block[1], block[1])
 
 
-def _unblocked(blocks: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+def unblocked(blocks: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     r, br, c, bc = blocks.shape
     return blocks.reshape(r * br, c * bc)[:rows, :cols]
 
@@ -99,7 +136,7 @@ def block_absmax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
         >>> block_absmax(torch.tensor([[1.0, -3.0, 2.0]]), (1, 2))
         tensor([[3., 2.]])
     """
-    return _blocked(x.abs(), block).amax(dim=(1, 3))
+    return blocked(x.abs(), block).amax(dim=(1, 3))
 
 
 def quantize(
@@ -127,9 +164,9 @@ def quantize(
     scales = block_absmax(x, block)
     # An all-zero block keeps scale 0 and codes of 0.0; dividing by 1 avoids 0 / 0.
     divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
-    normalized = _blocked(x, block) / divisor[:, None, :, None]
-    codes = _nearest_codes(normalized, signed).view(normalized.shape)
-    return _unblocked(codes, *x.shape).contiguous(), scales
+    normalized = blocked(x, block) / divisor[:, None, :, None]
+    codes = nearest_codes(normalized, device_tables(x.device, signed)[1])
+    return unblocked(codes, *x.shape).contiguous(), scales
 
 
 def dequantize(
@@ -161,7 +198,7 @@ def dequantize(
             f"scales of shape {tuple(scales.shape)} do not match codes of shape "
             f"{tuple(codes.shape)} in blocks of {block}: expected {grid}"
         )
-    table = dynamic_map(signed).to(codes.device)
+    table = device_tables(codes.device, signed)[0]
     values = table.index_select(0, codes.reshape(-1).int()).view(codes.shape)
-    blocks = _blocked(values, block) * scales[:, None, :, None]
-    return _unblocked(blocks, *codes.shape).contiguous()
+    blocks = blocked(values, block) * scales[:, None, :, None]
+    return unblocked(blocks, *codes.shape).contiguous()

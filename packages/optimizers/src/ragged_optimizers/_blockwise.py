@@ -1,0 +1,337 @@
+"""AdamW8bit's update of one rank's blocks as one function, compiled into one pass or run eagerly.
+
+`blockwise_adamw` reads the parameter, its gradient and both moments' codes and block scales,
+and writes them back: dequantize, the AdamW update in float32, the new block absmax, and the
+nearest codes. Under torch.compile (inductor: C++ on CPU, Triton on CUDA) that is a few fused
+loops over the blocks with no full-size float32 moment tensors kept beyond them; eagerly it is
+the same arithmetic op by op. Every step is one IEEE operation written out (no lerp, addcmul or
+addcdiv, whose CPU kernels may contract into FMAs depending on the CPU), and the square root is
+correctly rounded on both paths (ATen's CPU sqrt is not, so eagerly it runs in float64 and
+rounds), which makes the two paths give the same bits on CPU and each element's result
+independent of where it sits in the tensor, so of how the tensor is sharded.
+
+`BlockwiseKernel` decides once per device type which path runs: compiled unless the caller
+said otherwise or the compiler cannot build it (no C++ compiler, no Triton, a Python that
+Dynamo does not support), in which case it says why and runs eagerly.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ragged_optimizers._compat import compile_options, mark_dims_dynamic
+from ragged_optimizers._quantize import (
+    blocked,
+    device_tables,
+    dynamic_map,
+    nearest_codes,
+    unblocked,
+)
+
+logger = logging.getLogger(__name__)
+
+Tables = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+# The float32 scalars of one step, in this order (computed in float64 by `step_scalars`).
+_DECAY, _WEIGHT1, _BETA2, _WEIGHT2, _BIAS2_SQRT, _EPS, _NEG_STEP_SIZE = range(7)
+
+
+def step_scalars(
+    *,
+    step: int,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    device: torch.device,
+) -> torch.Tensor:
+    """The step's scalars as one float32 tensor, so that a new lr does not recompile.
+
+    Example:
+        >>> step_scalars(step=1, lr=0.1, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+        ...              device=torch.device("cpu"))[-1]
+        tensor(-1.)
+    """
+    beta1, beta2 = betas
+    values = [
+        1 - lr * weight_decay,
+        1 - beta1,
+        beta2,
+        1 - beta2,
+        (1 - beta2**step) ** 0.5,
+        eps,
+        -lr / (1 - beta1**step),
+    ]
+    return torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)
+
+
+def code_tables(
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(signed map, unsigned map, signed code lookup, unsigned code lookup) on `device`.
+
+    Looked up outside the compiled function: traced inside, the tables would be rebuilt.
+    """
+    (signed_map, signed_lookup), (unsigned_map, unsigned_lookup) = (
+        device_tables(device, signed) for signed in (True, False)
+    )
+    return signed_map, unsigned_map, signed_lookup, unsigned_lookup
+
+
+def _sqrt(x: torch.Tensor) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return torch.sqrt(x)  # inductor's sqrt is the IEEE one on CPU and CUDA
+    if x.device.type == "cpu":
+        # float64 sqrt rounded to float32 is the correctly rounded float32 sqrt.
+        return torch.sqrt(x.double()).float()
+    return torch.sqrt(x)
+
+
+def _requantize(x: torch.Tensor, lookup: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and scales of blocked (row blocks, rows, col blocks, cols) float32 values."""
+    scales = x.abs().amax(dim=(1, 3))
+    divisor = torch.where(scales > 0, scales, 1.0)  # an all-zero block: codes of 0.0
+    return nearest_codes(x / divisor[:, None, :, None], lookup), scales
+
+
+def update_blocks(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_scale: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    exp_avg_sq_scale: torch.Tensor,
+    scalars: torch.Tensor,
+    tables: Tables,
+) -> None:
+    """The update on whole blocks, in place: the function torch.compile compiles.
+
+    param, grad and both codes are (row blocks, block rows, col blocks, block cols), the
+    scales (row blocks, col blocks): plain views of a piece whose sizes are multiples of the
+    block, so the compiled loops index them linearly (no division per element).
+    """
+    signed_map, unsigned_map, signed_lookup, unsigned_lookup = tables
+    # Eagerly, the common cases skip whole passes (same bits: the skipped ops are identities).
+    eager = not torch.compiler.is_compiling()
+    m = signed_map[exp_avg.int()] * exp_avg_scale[:, None, :, None]
+    v = unsigned_map[exp_avg_sq.int()] * exp_avg_sq_scale[:, None, :, None]
+    start = param.float()
+    g = grad.float()
+    finite = None if eager and bool(torch.isfinite(g).all()) else torch.isfinite(g)
+    if finite is not None:
+        g = torch.where(finite, g, 0.0)
+    # torch's lerp: start + w * (end - start) below w = 0.5, end - (end - start) * (1 - w) above.
+    w1 = scalars[_WEIGHT1]
+    if not eager:
+        m = torch.where(w1 < 0.5, m + w1 * (g - m), g - (g - m) * (1 - w1))
+    elif float(w1) < 0.5:
+        m = m + w1 * (g - m)
+    else:
+        m = g - (g - m) * (1 - w1)
+    v = v * scalars[_BETA2] + scalars[_WEIGHT2] * g * g
+    denom = _sqrt(v) / scalars[_BIAS2_SQRT] + scalars[_EPS]
+    p = start * scalars[_DECAY] + scalars[_NEG_STEP_SIZE] * m / denom
+    if finite is not None:
+        p, m, v = (
+            torch.where(finite, p, start),
+            torch.where(finite, m, 0.0),
+            torch.where(finite, v, 0.0),
+        )
+    m_codes, m_scales = _requantize(m, signed_lookup)
+    v_codes, v_scales = _requantize(v, unsigned_lookup)
+    param.copy_(p)
+    exp_avg.copy_(m_codes)
+    exp_avg_scale.copy_(m_scales)
+    exp_avg_sq.copy_(v_codes)
+    exp_avg_sq_scale.copy_(v_scales)
+
+
+@functools.cache
+def _zero_code(signed: bool) -> int:
+    return int(torch.searchsorted(dynamic_map(signed), 0.0))
+
+
+def blockwise_adamw(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_scale: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    exp_avg_sq_scale: torch.Tensor,
+    scalars: torch.Tensor,
+    tables: Tables,
+    block: tuple[int, int],
+    update: Callable[..., None] = update_blocks,
+) -> None:
+    """One AdamW8bit step on a 2-D piece of whole row blocks, everything updated in place.
+
+    An element whose gradient is NaN or +-Inf keeps its parameter value and gets zero moments.
+    A piece whose sizes are not multiples of the block (the bottom or right edge of a
+    tensor) is run on zero-padded copies (zeros decode to zero moments and leave every
+    block's absmax as it is), then copied back.
+
+    Args:
+        param: (rows, cols), any float dtype, contiguous; updated in float32 and stored back.
+        grad: Its gradient, same shape, contiguous.
+        exp_avg: uint8 codes of the first moment (signed map), same shape.
+        exp_avg_scale: float32 scale per block, (ceil(rows / block_rows), ceil(cols /
+            block_cols)).
+        exp_avg_sq: uint8 codes of the second moment (unsigned map).
+        exp_avg_sq_scale: Its scales.
+        scalars: `step_scalars(...)` on param's device.
+        tables: `code_tables(param.device)`: both maps and both code lookups.
+        block: (block_rows, block_cols).
+        update: `update_blocks`, or its compiled form.
+
+    Example:
+        >>> p, g = torch.ones(2, 3), torch.full((2, 3), 0.5)
+        >>> codes, scales = torch.full((2, 3), 127, dtype=torch.uint8), torch.zeros(1, 1)
+        >>> s = step_scalars(step=1, lr=0.1, betas=(0.9, 0.999), eps=0.0, weight_decay=0.0,
+        ...                  device=p.device)
+        >>> blockwise_adamw(p, g, codes, scales, codes.clone(), scales.clone(), s,
+        ...                 code_tables(p.device), (32, 32))
+        >>> p  # the first step moves every element by lr
+        tensor([[0.9000, 0.9000, 0.9000],
+                [0.9000, 0.9000, 0.9000]])
+    """
+    rows, cols = param.shape
+    block_rows, block_cols = block
+    grid = exp_avg_scale.shape
+    if rows % block_rows == 0 and cols % block_cols == 0:
+        shape = (grid[0], block_rows, grid[1], block_cols)
+        tensors = [t.view(shape) for t in (param, grad, exp_avg, exp_avg_sq)]
+    else:
+        fills = (0, 0, _zero_code(True), _zero_code(False))
+        tensors = [
+            blocked(t, block, fill)
+            for t, fill in zip((param, grad, exp_avg, exp_avg_sq), fills, strict=True)
+        ]
+    p4, g4, m4, v4 = tensors
+    update(p4, g4, m4, exp_avg_scale, v4, exp_avg_sq_scale, scalars, tables)
+    if p4.data_ptr() != param.data_ptr():
+        for piece, blocks in ((param, p4), (exp_avg, m4), (exp_avg_sq, v4)):
+            piece.copy_(unblocked(blocks, rows, cols))
+
+
+# blockwise_adamw's arguments before `block`: six piece tensors, the scalars and the tables.
+_Args = tuple[
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    Tables,
+]
+
+
+@dataclass(frozen=True)
+class KernelPath:
+    """Which implementation of the blockwise update ran on a device type.
+
+    Attributes:
+        device_type: "cpu", "cuda", ...
+        compiled: True for the torch.compile'd pass, False for the eager ops.
+        reason: Why eager (empty when compiled).
+        compile_seconds: Wall time of the first compiled call (compilation included).
+    """
+
+    device_type: str
+    compiled: bool
+    reason: str = ""
+    compile_seconds: float = 0.0
+
+    def __str__(self) -> str:
+        if self.compiled:
+            return f"compiled ({self.device_type}, first call {self.compile_seconds:.1f} s)"
+        return f"eager ({self.device_type}: {self.reason})"
+
+
+class BlockwiseKernel:
+    """Runs `blockwise_adamw` compiled where possible, eagerly otherwise; records which.
+
+    Args:
+        fused: True: compile, and raise if that fails; False: eager; None: compile, and fall
+            back to eager (with a warning naming the reason) if the compiler fails.
+
+    Example:
+        >>> kernel = BlockwiseKernel(fused=False)
+        >>> p, g = torch.ones(2, 3), torch.zeros(2, 3)
+        >>> codes, scales = torch.full((2, 3), 127, dtype=torch.uint8), torch.zeros(1, 1)
+        >>> s = step_scalars(step=1, lr=0.1, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+        ...                  device=p.device)
+        >>> kernel(p, g, codes, scales, codes.clone(), scales.clone(), s, (32, 32))
+        >>> str(kernel.paths["cpu"])
+        'eager (cpu: fused=False)'
+    """
+
+    def __init__(self, fused: bool | None = None) -> None:
+        if fused is not None and not isinstance(fused, bool):
+            raise ValueError(f"fused must be True, False or None, got {fused!r}")
+        self.fused = fused
+        self.paths: dict[str, KernelPath] = {}
+        self._compiled_update: Callable[..., None] | None = None
+
+    def __call__(
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_scale: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        exp_avg_sq_scale: torch.Tensor,
+        scalars: torch.Tensor,
+        block: tuple[int, int],
+    ) -> None:
+        tables = code_tables(param.device)
+        moments = (exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale)
+        args: _Args = (param, grad, *moments, scalars, tables)
+        device_type = param.device.type
+        path = self.paths.get(device_type)
+        if path is not None:
+            blockwise_adamw(*args, block, self._compiled if path.compiled else update_blocks)
+            return
+        if self.fused is False:
+            self.paths[device_type] = KernelPath(device_type, False, "fused=False")
+            blockwise_adamw(*args, block)
+            return
+        self.paths[device_type] = self._first_compiled_call(device_type, args, block)
+
+    def _compiled(self, *args: Any) -> None:
+        if self._compiled_update is None:
+            self._compiled_update = torch.compile(
+                update_blocks, fullgraph=True, options=compile_options()
+            )
+        # Symbolic row and column block counts: one compilation serves every shape, while
+        # the block sizes stay constants of the code.
+        mark_dims_dynamic(args[:6], (0, 2))
+        self._compiled_update(*args)
+
+    def _first_compiled_call(
+        self, device_type: str, args: _Args, block: tuple[int, int]
+    ) -> KernelPath:
+        start = time.perf_counter()
+        try:
+            # A failed compilation raises before the graph runs: nothing was written yet.
+            blockwise_adamw(*args, block, self._compiled)
+        except torch.OutOfMemoryError:
+            raise  # not a compiler failure, and the graph may have written part of its output
+        except Exception as error:  # any compiler failure means: run eagerly
+            if self.fused:
+                raise RuntimeError(
+                    f"AdamW8bit(fused=True): torch.compile could not build the blockwise "
+                    f"update on {device_type}: {type(error).__name__}: {error}"
+                ) from error
+            reason = f"torch.compile failed: {type(error).__name__}: {str(error)[:200]}"
+            logger.warning("AdamW8bit runs its update eagerly on %s (%s)", device_type, reason)
+            blockwise_adamw(*args, block)
+            return KernelPath(device_type, False, reason)
+        return KernelPath(device_type, True, compile_seconds=time.perf_counter() - start)
