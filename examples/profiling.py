@@ -27,7 +27,9 @@ def live_tensor_bytes() -> int:
 
     storages: dict[int, int] = {}
     for obj in gc.get_objects():
-        if not isinstance(obj, torch.Tensor) or obj.is_meta:
+        # type(), not isinstance(): isinstance asks a weakref proxy (torch.compile keeps
+        # some) for its __class__, which raises ReferenceError once its referent is gone.
+        if not issubclass(type(obj), torch.Tensor) or obj.is_meta:
             continue
         tensor = obj.to_local() if isinstance(obj, DTensor) else obj
         try:
