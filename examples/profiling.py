@@ -34,10 +34,12 @@ def live_tensor_bytes() -> int:
         tensor = obj.to_local() if isinstance(obj, DTensor) else obj
         try:
             storage = tensor.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # other wrapper subclasses
+            # Fake and functional tensors (torch.compile keeps some alive) own no memory:
+            # asking for their data pointer raises.
+            if storage.nbytes():
+                storages[storage.data_ptr()] = storage.nbytes()
+        except (RuntimeError, NotImplementedError):  # wrapper subclasses, fake tensors
             continue
-        if storage.nbytes():
-            storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
 
 
