@@ -14,12 +14,14 @@ AdamW8bit runs against torch.optim.AdamW (foreach) on all parameters. Reported p
 slowest rank's median step, FLOPs makespan of the owner plans, bytes each rank sends per step,
 and state bytes. First, in this process: AdamW8bit's step (compiled and eager) against foreach
 AdamW on plain matrices, one thread, with the compile time (the first step) apart
-(`--adam-only` for just that). Writes build/bench/optimizers.json.
+(`--adam-only` for just that), and Muon's host cost on an MoE's expert matrices, batched
+against one matrix at a time (`--experts-only` for just that). Writes build/bench/optimizers.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -33,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -265,6 +268,17 @@ def _preset_plans(presets: list[str], worlds: list[int]) -> list[dict[str, Any]]
     return rows
 
 
+def _alternating_ms(steps: dict[Any, Any], rounds: int) -> dict[Any, float]:
+    """Median ms of each step function, the functions taking turns for `rounds` rounds."""
+    times: dict[Any, list[float]] = {key: [] for key in steps}
+    for _ in range(rounds):
+        for key, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[key].append(time.perf_counter() - start)
+    return {key: statistics.median(t) * 1e3 for key, t in times.items()}
+
+
 def _one_process_adamw(args: argparse.Namespace) -> dict[str, Any]:
     """AdamW8bit (compiled and eager) against torch's foreach AdamW: one process, one thread,
     plain matrices (half 1024 x 1024, half 1024 x 2816), fixed gradients, steps alternating."""
@@ -294,13 +308,7 @@ def _one_process_adamw(args: argparse.Namespace) -> dict[str, Any]:
         start = time.perf_counter()
         opt.step()
         first[name] = time.perf_counter() - start
-    times: dict[str, list[float]] = {k: [] for k in opts}
-    for _ in range(args.adam_steps):
-        for name, opt in opts.items():
-            start = time.perf_counter()
-            opt.step()
-            times[name].append(time.perf_counter() - start)
-    ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    ms = _alternating_ms({name: opt.step for name, opt in opts.items()}, args.adam_steps)
     path = opts["adamw8bit_compiled"].kernel_paths["cpu"]
     result = {
         "num_params": sum(math.prod(s) for s in shapes),
@@ -324,6 +332,64 @@ def _one_process_adamw(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+class _OpCounter(TorchDispatchMode):
+    """Counts the ATen ops a step dispatches, views aside: on a GPU, about a launch each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.count += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+def _muon_experts(args: argparse.Namespace) -> dict[str, Any]:
+    """Muon's own cost on an MoE's many small expert matrices: one process, one thread, the
+    example decoder (8 blocks, dim 64, separate-Linear experts of hidden 32) at 16 and 64
+    experts per block; batched Newton-Schulz (ns_batch_size=16, the default) against one
+    matrix at a time (ns_batch_size=1), steps alternating. Reported: the ATen ops (not views)
+    a step dispatches (on a GPU each is a kernel launch, and at these sizes launches are the step)
+    and the CPU step time (on CPU a bfloat16 bmm runs matrix by matrix, so batching saves
+    only the Python and dispatch work)."""
+    from model import Config, Decoder
+
+    from ragged_optimizers import Muon
+
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    print("\nMuon on MoE expert matrices, one process, one thread")
+    print(
+        "| experts per block | matrices | ATen ops per step: one at a time | batched | "
+        "CPU step ms: one at a time | batched |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
+    for num_experts in (16, 64):
+        torch.manual_seed(0)
+        cfg = Config(vocab=1000, dim=64, num_heads=4, num_layers=8, hidden=128)
+        model = Decoder(dataclasses.replace(cfg, num_experts=num_experts))
+        matrices = [
+            p for n, p in model.named_parameters() if n.startswith("layers.") and p.dim() == 2
+        ]
+        gen = torch.Generator().manual_seed(1)
+        for p in matrices:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opts = {b: Muon(matrices, lr=0.0, ns_batch_size=b) for b in (1, 16)}
+        ops = {}
+        for b, opt in opts.items():
+            opt.step()  # momentum buffers
+            with _OpCounter() as counter:
+                opt.step()
+            ops[b] = counter.count
+        ms = _alternating_ms({b: opt.step for b, opt in opts.items()}, args.muon_steps)
+        out[str(num_experts)] = {"num_matrices": len(matrices), "step_ms": ms, "aten_ops": ops}
+        print(
+            f"| {num_experts} | {len(matrices)} | {ops[1]} | {ops[16]} ({ops[16] / ops[1]:.2f}x) "
+            f"| {ms[1]:.0f} | {ms[16]:.0f} ({ms[16] / ms[1]:.2f}x) |"
+        )
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", default="2,4")
@@ -334,13 +400,19 @@ def main() -> None:
     parser.add_argument("--adam-matrices", type=int, default=24)
     parser.add_argument("--adam-steps", type=int, default=5)
     parser.add_argument("--adam-only", action="store_true", help="only the one-process AdamW")
+    parser.add_argument("--muon-steps", type=int, default=5)
+    parser.add_argument("--experts-only", action="store_true", help="only Muon on MoE experts")
     args = parser.parse_args()
+    if args.experts_only:
+        _muon_experts(args)
+        return
     plans = _preset_plans(["llama3-8b", "qwen3-30b-a3b", "gpt-oss-120b"], [8, 64, 256])
     if args.plans_only:
         return
     one_process = _one_process_adamw(args)
     if args.adam_only:
         return
+    experts = _muon_experts(args)
     ctx = mp.get_context("spawn")
     results = []
     for world in (int(w) for w in args.worlds.split(",")):
@@ -360,7 +432,13 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         json.dumps(
-            {"steps": results, "preset_plans": plans, "adamw_one_process": one_process}, indent=2
+            {
+                "steps": results,
+                "preset_plans": plans,
+                "adamw_one_process": one_process,
+                "muon_experts": experts,
+            },
+            indent=2,
         )
     )
     print(f"wrote {args.out}")

@@ -35,12 +35,15 @@ def ragged_rows(rows: int, world: int) -> tuple[int, ...]:
 
 MUON_SHAPES = {
     "wide": (24, 40),
+    "wide_b": (24, 40),  # wide, wide_b and wide_c are orthogonalized as one batch
     "tall": (50, 12),
     "one_row": (1, 40),
     "odd": (17, 17),
     "stack": (4, 12, 8),
     "conv": (8, 3, 2, 2),
+    "wide_c": (24, 40),
 }
+NUM_MUON_UNITS = len(MUON_SHAPES) - 2  # the three (24, 40) matrices are one batch
 
 
 def _placements(name: str, shape: tuple[int, ...], world: int, kind: str) -> list[Any]:
@@ -78,6 +81,7 @@ def check_muon_matches_single_process(kind: str, bucket_bytes: int) -> dict[str,
         grads = _full_tensors(MUON_SHAPES, 100 + step)
         if step == 1:
             grads.pop("odd")  # no gradient on any rank this step: skipped, no hang
+            grads.pop("wide_b")  # the batch of wide matrices is then two
         for n, g in grads.items():
             ref[n].grad = g.clone()
             dist_params[n].grad = distribute_tensor(g, mesh, dist_params[n].placements)
@@ -301,7 +305,7 @@ def check_muon_posts_every_bucket_before_orthogonalizing() -> int:
         torch.nn.Parameter(distribute_tensor(t, mesh, _placements(n, t.shape, world, "ragged")))
         for n, t in full.items()
     ]
-    opt = Muon(params, bucket_bytes=256)  # one bucket per matrix
+    opt = Muon(params, bucket_bytes=256)  # one bucket per unit (matrix or batch)
     for p in params:
         p.grad = distribute_tensor(torch.ones(p.shape), mesh, p.placements)
     seen: list[int] = []
@@ -318,7 +322,7 @@ def check_muon_posts_every_bucket_before_orthogonalizing() -> int:
             opt.step()
         finally:
             muon.newton_schulz = original
-    num_buckets = len(MUON_SHAPES)
+    num_buckets = NUM_MUON_UNITS
     assert comms.counts()["all_to_all"] == 2 * num_buckets  # in and back, per bucket
     if seen:  # this rank owns something: by its first NS every inbound exchange was posted
         assert seen[0] >= num_buckets, seen

@@ -31,13 +31,15 @@ def test_equals_torch_muon_bitwise(shape, nesterov, adjust_lr) -> None:
         assert torch.equal(ours, ref)
 
 
-def test_stacks_are_batches_and_convs_are_flattened() -> None:
+@pytest.mark.parametrize("ns_batch_size", [16, 1])
+def test_stacks_are_batches_and_convs_are_flattened(ns_batch_size) -> None:
     gen = torch.Generator().manual_seed(2)
     stack = torch.nn.Parameter(torch.randn(3, 12, 8, generator=gen))
     singles = [torch.nn.Parameter(stack[i].detach().clone()) for i in range(3)]
     conv = torch.nn.Parameter(torch.randn(8, 3, 2, 2, generator=gen))
     flat = torch.nn.Parameter(conv.detach().reshape(8, 12).clone())
-    opt, ref = Muon([stack, conv]), Muon([*singles, flat])
+    opt = Muon([stack, conv])
+    ref = Muon([*singles, flat], ns_batch_size=ns_batch_size)
     for _ in range(2):
         g = torch.randn(3, 12, 8, generator=gen)
         gc = torch.randn(8, 3, 2, 2, generator=gen)
@@ -46,10 +48,29 @@ def test_stacks_are_batches_and_convs_are_flattened() -> None:
             s.grad = g[i].clone()
         opt.step()
         ref.step()
-    # bmm and mm round differently: close, not equal. The conv is the same matrix.
+    # Batched, the three same-shape matrices are exactly the stack; one at a time, bmm and
+    # mm round differently: close. The conv is the same matrix.
     for i, s in enumerate(singles):
+        if ns_batch_size > 1:
+            assert torch.equal(stack[i], s)
         assert (stack[i] - s).abs().max() < 1e-3
     assert torch.equal(conv.detach().reshape(8, 12), flat.detach())
+
+
+def test_batches_follow_shape_and_order_and_batch_size() -> None:
+    from ragged_optimizers._layout import layout_of
+    from ragged_optimizers._muon import _Item, _units
+
+    shapes = [(4, 8), (8, 4), (4, 8), (4, 8), (2, 4, 8), (4, 8), (8, 4)]
+    groups = [{}, {}]
+    items = [
+        _Item(p, str(i), layout_of(p), torch.empty(0), groups[i == 5])
+        for i, p in enumerate(torch.nn.Parameter(torch.zeros(s)) for s in shapes)
+    ]
+    names = lambda units: [[item.name for item in u.items] for u in units]  # noqa: E731
+    assert names(_units(items, 2)) == [["0", "2"], ["1", "6"], ["3"], ["4"], ["5"]]
+    assert names(_units(items, 16)) == [["0", "2", "3"], ["1", "6"], ["4"], ["5"]]
+    assert names(_units(items, 1)) == [[str(i)] for i in range(7)]
 
 
 def test_match_rms_adamw_gives_update_rms_about_0_2() -> None:
@@ -165,3 +186,6 @@ def test_bad_input() -> None:
         Muon([w], adamw_betas=(-0.1, 0.9))
     with pytest.raises(ValueError, match="bucket_bytes must be an int >= 1"):
         Muon([w], bucket_bytes=0)
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match="ns_batch_size must be an int >= 1"):
+            Muon([w], ns_batch_size=bad)

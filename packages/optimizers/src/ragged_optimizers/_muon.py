@@ -2,11 +2,15 @@
 
 A step, per process group of the shard axis:
 1. Every rank updates the momentum of its own pieces (elementwise, no communication).
-2. One owner per matrix, from `plan_owners` (the same plan on every rank, no communication).
-3. Per bucket of matrices, one all-to-all with uneven splits sends each piece of each matrix to
+2. Same-shape matrices of a param group are taken together, in parameter order, up to
+   `ns_batch_size` at a time (a "unit": one batched Newton-Schulz, one launch per op for all of
+   them); one owner per unit, from `plan_owners` (the same plan on every rank, no
+   communication). Units depend on shapes and order alone, not on the number of ranks, so the
+   result does not either.
+3. Per bucket of units, one all-to-all with uneven splits sends each piece of each matrix to
    its owner, in bfloat16 (Newton-Schulz runs in bfloat16, and the cast is elementwise, so the
    owner's matrix is bitwise the single-process one). All buckets are posted at once; the
-   owner orthogonalizes a bucket's matrices as soon as that bucket has arrived.
+   owner orthogonalizes a bucket's units as soon as that bucket has arrived.
 4. One all-to-all per bucket sends every rank its piece of each update, which it applies.
 A rank never holds a whole matrix it does not own, and what it sends is exactly the part of
 each matrix the owner lacks, once in each direction.
@@ -27,7 +31,7 @@ from ragged_optimizers._adamw import adamw_step, check_betas, check_nonnegative
 from ragged_optimizers._closure import closure_loss
 from ragged_optimizers._layout import Layout, layout_of, local_flat
 from ragged_optimizers._newton_schulz import newton_schulz, resolve_coefficients
-from ragged_optimizers._owner_plan import MatrixAssignment, plan_owners
+from ragged_optimizers._owner_plan import MatrixAssignment, ns_flops, plan_owners
 
 ADJUST_LR = ("original", "match_rms_adamw")
 _COMM_DTYPE = torch.bfloat16
@@ -69,7 +73,40 @@ class _Item:
     layout: Layout
     update: torch.Tensor  # this rank's piece of the momentum-updated matrix, in bfloat16
     group: dict[str, Any]
-    assignment: MatrixAssignment | None = None
+
+
+@dataclass
+class _Unit:
+    """Matrices orthogonalized together: one, or a stack of same-shape 2-D matrices."""
+
+    items: list[_Item]
+    owner: int = 0
+
+    @property
+    def layout(self) -> Layout:
+        return self.items[0].layout
+
+    @property
+    def group(self) -> dict[str, Any]:
+        return self.items[0].group
+
+    @property
+    def name(self) -> str:
+        extra = len(self.items) - 1
+        return self.items[0].name + (f" (+{extra} of its shape)" if extra else "")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """What Newton-Schulz sees: the matrix, or (count, rows, cols) for a stack."""
+        shape = matrix_shape(self.layout.shape)
+        return shape if len(self.items) == 1 else (len(self.items), *shape)
+
+    @property
+    def numel(self) -> int:
+        return sum(item.layout.numel for item in self.items)
+
+    def piece(self, rank: int) -> int:
+        return sum(hi - lo for lo, hi in (item.layout.ranges[rank] for item in self.items))
 
 
 class Muon(Optimizer):
@@ -103,6 +140,12 @@ class Muon(Optimizer):
         adamw_weight_decay: AdamW groups' decoupled weight decay.
         bucket_bytes: Matrices travel in buckets of about this many bfloat16 bytes, one
             all-to-all each way per bucket; owners start on a bucket as soon as it arrives.
+        ns_batch_size: Up to this many same-shape 2-D matrices of a group (in parameter
+            order) are orthogonalized together, as one batched Newton-Schulz: many small
+            matrices (an MoE's experts) cost one launch per op instead of one per matrix.
+            Batched products round differently from single ones, so 1 (one at a time) gives
+            torch.optim.Muon's results bit for bit; any value gives the same results on any
+            number of ranks.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
@@ -129,11 +172,14 @@ class Muon(Optimizer):
         adamw_eps: float = 1e-10,
         adamw_weight_decay: float = 0.0,
         bucket_bytes: int = 32 * 2**20,
+        ns_batch_size: int = 16,
     ) -> None:
-        size: object = bucket_bytes  # user input: check what came
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"bucket_bytes must be an int >= 1, got {bucket_bytes!r}")
+        for key, value in (("bucket_bytes", bucket_bytes), ("ns_batch_size", ns_batch_size)):
+            given: object = value  # user input: check what came
+            if isinstance(given, bool) or not isinstance(given, int) or given < 1:
+                raise ValueError(f"{key} must be an int >= 1, got {value!r}")
         self._bucket_bytes = bucket_bytes
+        self._ns_batch_size = ns_batch_size
         self._layouts: dict[int, Layout] = {}
         self._param_names: dict[int, str] = {}
         defaults = {
@@ -204,22 +250,23 @@ class Muon(Optimizer):
 
     # -- the plan -----------------------------------------------------------------------------
 
-    def _sharded(self) -> list[tuple[torch.Tensor, str, Layout]]:
+    def _sharded(self) -> list[_Item]:
         out = []
         for group in self.param_groups:
             if group["use_muon"]:
                 for param, name in zip(group["params"], self._names(group), strict=True):
                     layout = self._layout(param, name)
                     if layout.num_ranks > 1:
-                        out.append((param, name, layout))
+                        out.append(_Item(param, name, layout, torch.empty(0), group))
         return out
 
     def owner_plan(self) -> tuple[MatrixAssignment, ...]:
         """The owner of every sharded Muon matrix, its FLOPs and the elements moved per step.
 
         Computed from shapes and placements alone, so every rank returns the same plan.
-        Elements travel in bfloat16 (2 bytes each way). Matrices that are not sharded (plain
-        tensors, replicated DTensors, one-rank meshes) are not listed: every rank updates them.
+        Matrices batched together (see `ns_batch_size`) share an owner. Elements travel in
+        bfloat16 (2 bytes each way). Matrices that are not sharded (plain tensors, replicated
+        DTensors, one-rank meshes) are not listed: every rank updates them.
 
         Returns:
             One MatrixAssignment per sharded matrix, in parameter order.
@@ -230,7 +277,19 @@ class Muon(Optimizer):
         """
         sharded = self._sharded()
         ns_steps = max((g["ns_steps"] for g in self.param_groups), default=5)
-        return _plan([(name, layout) for _, name, layout in sharded], ns_steps)
+        owners: dict[int, int] = {}
+        for members in _by_process_group(sharded):
+            for unit in _plan(_units(members, self._ns_batch_size), ns_steps):
+                owners.update((id(item), unit.owner) for item in unit.items)
+        out = []
+        for index, item in enumerate(sharded):
+            shape = matrix_shape(item.layout.shape)
+            pieces = [hi - lo for lo, hi in item.layout.ranges]
+            owner = owners[id(item)]
+            moved = sum(pieces) - pieces[owner]
+            flops = ns_flops(shape, ns_steps)
+            out.append(MatrixAssignment(index, item.name, shape, owner, flops, moved, moved))
+        return tuple(out)
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -245,7 +304,8 @@ class Muon(Optimizer):
             The closure's loss, or None.
         """
         loss = closure_loss(closure)
-        items: list[_Item] = []
+        sharded: list[_Item] = []
+        local: list[_Item] = []
         for group in self.param_groups:
             if not group["use_muon"]:
                 self._adamw(group)
@@ -255,28 +315,57 @@ class Muon(Optimizer):
                 if layout.num_ranks > 1:
                     # Sharded matrices join the exchange even without a gradient; they are
                     # filtered once all ranks agree (see _agree).
-                    items.append(_Item(param, name, layout, torch.empty(0), group))
+                    sharded.append(_Item(param, name, layout, torch.empty(0), group))
                 elif param.grad is not None:
-                    update = self._momentum(param, group)
-                    self._apply(param, layout, self._orthogonalize(update, layout, group), group)
-        if items:
-            for members in _by_process_group(_agree(items)):
-                for item in members:
-                    item.update = self._momentum(item.param, item.group).to(_COMM_DTYPE)
-                self._exchange(members)
+                    local.append(_Item(param, name, layout, torch.empty(0), group))
+        for unit in _units(local, self._ns_batch_size):
+            updates = self._orthogonalize_unit(unit, self._momenta(unit.items))
+            self._apply_unit(unit, updates)
+        if sharded:
+            for members in _by_process_group(_agree(sharded)):
+                for item, update in zip(members, self._momenta(members), strict=True):
+                    item.update = update.to(_COMM_DTYPE)
+                self._exchange(_units(members, self._ns_batch_size))
         return loss
 
+    def _momenta(self, items: list[_Item]) -> list[torch.Tensor]:
+        """Updates the momentum of each item's local piece; returns what to orthogonalize.
+
+        Multi-tensor (foreach) ops per param group: a few kernel launches for all of them.
+        """
+        out: dict[int, torch.Tensor] = {}
+        by_group: dict[int, list[_Item]] = {}
+        for item in items:
+            by_group.setdefault(id(item.group), []).append(item)
+        for members in by_group.values():
+            group = members[0].group
+            grads, bufs = [], []
+            for item in members:
+                assert item.param.grad is not None
+                grads.append(local_flat(item.param.grad))
+                state = self.state[item.param]
+                if "momentum_buffer" not in state:
+                    zeros = torch.zeros_like(grads[-1])
+                    state["momentum_buffer"] = item.layout.wrap(zeros, item.param)
+                bufs.append(local_flat(state["momentum_buffer"]))
+            momentum = group["momentum"]
+            torch._foreach_lerp_(bufs, grads, 1 - momentum)
+            updates = torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
+            out.update((id(item), u) for item, u in zip(members, updates, strict=True))
+        return [out[id(item)] for item in items]
+
+    def _apply_unit(self, unit: _Unit, updates: list[torch.Tensor]) -> None:
+        """Applies each matrix's (local piece of its) update: the same lr for the whole unit."""
+        group = unit.group
+        locals_ = [local_flat(item.param) for item in unit.items]
+        torch._foreach_mul_(locals_, 1 - group["lr"] * group["weight_decay"])
+        lr = adjusted_lr(group["lr"], group["adjust_lr"], unit.layout.shape)
+        torch._foreach_add_(locals_, updates, alpha=-lr)
+
     def _momentum(self, param: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
-        assert param.grad is not None
-        grad = local_flat(param.grad)
-        state = self.state[param]
-        if "momentum_buffer" not in state:
-            local = torch.zeros_like(grad)
-            state["momentum_buffer"] = self._layout(param, "").wrap(local, param)
-        buf = local_flat(state["momentum_buffer"])
-        momentum = group["momentum"]
-        buf.lerp_(grad, 1 - momentum)
-        return grad.lerp(buf, momentum) if group["nesterov"] else buf
+        """`_momenta` of one parameter (for callers that go matrix by matrix)."""
+        item = _Item(param, "", self._layout(param, ""), torch.empty(0), group)
+        return self._momenta([item])[0]
 
     def _orthogonalize(
         self, update: torch.Tensor, layout: Layout, group: dict[str, Any]
@@ -286,41 +375,51 @@ class Muon(Optimizer):
         out = newton_schulz(matrix, coefficients, eps=group["eps"], norm_scale=norm_scale)
         return out.reshape(-1)
 
+    def _orthogonalize_unit(self, unit: _Unit, fulls: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The flat orthogonalized update of each of a unit's matrices (full, flat inputs)."""
+        if len(fulls) == 1:
+            return [self._orthogonalize(fulls[0], unit.layout, unit.group)]
+        coefficients, norm_scale = resolve_coefficients(
+            unit.group["ns_coefficients"], unit.group["ns_steps"]
+        )
+        stack = torch.stack(fulls).view(unit.shape)
+        out = newton_schulz(stack, coefficients, eps=unit.group["eps"], norm_scale=norm_scale)
+        return list(out.reshape(len(fulls), -1).unbind())
+
     def _apply(
         self, param: torch.Tensor, layout: Layout, update: torch.Tensor, group: dict[str, Any]
     ) -> None:
-        local = local_flat(param)
-        local.mul_(1 - group["lr"] * group["weight_decay"])
-        local.add_(update, alpha=-adjusted_lr(group["lr"], group["adjust_lr"], layout.shape))
+        """`_apply_unit` of one parameter (for callers that go matrix by matrix)."""
+        self._apply_unit(_Unit([_Item(param, "", layout, torch.empty(0), group)]), [update])
 
-    def _exchange(self, items: list[_Item]) -> None:
-        layout0 = items[0].layout
+    def _exchange(self, units: list[_Unit]) -> None:
+        layout0 = units[0].layout
         process_group, me, world = layout0.group, layout0.rank, layout0.num_ranks
         assert process_group is not None
-        ns_steps = max(item.group["ns_steps"] for item in items)
-        plan = _plan([(item.name, item.layout) for item in items], ns_steps)
-        for item, assignment in zip(items, plan, strict=True):
-            item.assignment = assignment
-        buckets = _buckets(items, self._bucket_bytes)
+        ns_steps = max(unit.group["ns_steps"] for unit in units)
+        _plan(units, ns_steps)
+        buckets = _buckets(units, self._bucket_bytes)
         inbound = [_send_to_owners(bucket, me, world, process_group) for bucket in buckets]
         outbound = []
         for bucket, (received, work) in zip(buckets, inbound, strict=True):
             work.wait()
             updates = {}
-            for item, full in _assemble(bucket, received, me, world):
-                updates[id(item)] = self._orthogonalize(full, item.layout, item.group)
+            for unit, fulls in _assemble(bucket, received, me, world):
+                updates[id(unit)] = self._orthogonalize_unit(unit, fulls)
             outbound.append(_send_back(bucket, updates, me, world, process_group))
         for bucket, (received, work) in zip(buckets, outbound, strict=True):
             work.wait()
             offset = 0
             for src in range(world):
-                for item in bucket:
-                    if _owner(item) == src:
+                for unit in bucket:
+                    if unit.owner != src:
+                        continue
+                    pieces = []
+                    for item in unit.items:
                         lo, hi = item.layout.local_range
-                        self._apply(
-                            item.param, item.layout, received[offset : offset + hi - lo], item.group
-                        )
+                        pieces.append(received[offset : offset + hi - lo])
                         offset += hi - lo
+                    self._apply_unit(unit, pieces)
 
     def _adamw(self, group: dict[str, Any]) -> None:
         for param in group["params"]:
@@ -349,22 +448,41 @@ class Muon(Optimizer):
 # -- the exchange, as functions of the plan -----------------------------------------------------
 
 
-def _plan(named: Sequence[tuple[str, Layout]], ns_steps: int) -> tuple[MatrixAssignment, ...]:
-    if not named:
-        return ()
-    world = named[0][1].num_ranks
-    return plan_owners(
-        [name for name, _ in named],
-        [matrix_shape(layout.shape) for _, layout in named],
-        [[hi - lo for lo, hi in layout.ranges] for _, layout in named],
-        world,
-        ns_steps,
-    )
+def _units(items: list[_Item], batch_size: int) -> list[_Unit]:
+    """Same-shape 2-D matrices of one group in order, `batch_size` per unit; others alone.
+
+    Built from shapes and order alone: the same units on any number of ranks.
+    """
+    units: list[_Unit] = []
+    open_units: dict[tuple[Any, ...], _Unit] = {}
+    for item in items:
+        shape = matrix_shape(item.layout.shape)
+        if len(shape) != 2 or batch_size == 1:
+            units.append(_Unit([item]))
+            continue
+        key = (id(item.group), shape, item.param.dtype)
+        unit = open_units.get(key)
+        if unit is None or len(unit.items) == batch_size:
+            unit = open_units[key] = _Unit([])
+            units.append(unit)
+        unit.items.append(item)
+    return units
 
 
-def _owner(item: _Item) -> int:
-    assert item.assignment is not None
-    return item.assignment.owner
+def _plan(units: list[_Unit], ns_steps: int) -> list[_Unit]:
+    """Sets each unit's owner (LPT over the units), the same on every rank."""
+    if units:
+        world = units[0].layout.num_ranks
+        plan = plan_owners(
+            [unit.name for unit in units],
+            [unit.shape for unit in units],
+            [[unit.piece(rank) for rank in range(world)] for unit in units],
+            world,
+            ns_steps,
+        )
+        for unit, assignment in zip(units, plan, strict=True):
+            unit.owner = assignment.owner
+    return units
 
 
 def _agree(items: list[_Item]) -> list[_Item]:
@@ -393,64 +511,63 @@ def _by_process_group(items: list[_Item]) -> list[list[_Item]]:
     return list(groups.values())
 
 
-def _buckets(items: list[_Item], bucket_bytes: int) -> list[list[_Item]]:
-    buckets: list[list[_Item]] = [[]]
+def _buckets(units: list[_Unit], bucket_bytes: int) -> list[list[_Unit]]:
+    buckets: list[list[_Unit]] = [[]]
     size = 0
-    for item in items:
-        if buckets[-1] and size + item.layout.numel * 2 > bucket_bytes:
+    for unit in units:
+        if buckets[-1] and size + unit.numel * 2 > bucket_bytes:
             buckets.append([])
             size = 0
-        buckets[-1].append(item)
-        size += item.layout.numel * 2
+        buckets[-1].append(unit)
+        size += unit.numel * 2
     return buckets
 
 
-def _piece(item: _Item, rank: int) -> int:
-    lo, hi = item.layout.ranges[rank]
-    return hi - lo
-
-
 def _send_to_owners(
-    bucket: list[_Item], me: int, world: int, group: dist.ProcessGroup
+    bucket: list[_Unit], me: int, world: int, group: dist.ProcessGroup
 ) -> tuple[torch.Tensor, Any]:
     # Input in destination order, output in source order; pieces keep the bucket's order.
-    send = [item.update for dst in range(world) for item in bucket if _owner(item) == dst]
-    send_splits = [sum(_piece(i, me) for i in bucket if _owner(i) == dst) for dst in range(world)]
-    recv_splits = [sum(_piece(i, src) for i in bucket if _owner(i) == me) for src in range(world)]
+    send = [
+        item.update for dst in range(world) for u in bucket if u.owner == dst for item in u.items
+    ]
+    send_splits = [sum(u.piece(me) for u in bucket if u.owner == dst) for dst in range(world)]
+    recv_splits = [sum(u.piece(src) for u in bucket if u.owner == me) for src in range(world)]
     return _all_to_all(send, send_splits, recv_splits, group)
 
 
 def _assemble(
-    bucket: list[_Item], received: torch.Tensor, me: int, world: int
-) -> list[tuple[_Item, torch.Tensor]]:
-    owned = [item for item in bucket if _owner(item) == me]
-    if len(owned) == 1:  # the pieces arrived in rank order: already the whole matrix
-        return [(owned[0], received)]
-    fulls = [torch.empty(item.layout.numel, dtype=_COMM_DTYPE) for item in owned]
+    bucket: list[_Unit], received: torch.Tensor, me: int, world: int
+) -> list[tuple[_Unit, list[torch.Tensor]]]:
+    owned = [unit for unit in bucket if unit.owner == me]
+    if len(owned) == 1 and len(owned[0].items) == 1:
+        return [(owned[0], [received])]  # the pieces arrived in rank order: the whole matrix
+    fulls = [[torch.empty(i.layout.numel, dtype=_COMM_DTYPE) for i in u.items] for u in owned]
     offset = 0
     for src in range(world):
-        for item, full in zip(owned, fulls, strict=True):
-            lo, hi = item.layout.ranges[src]
-            full[lo:hi].copy_(received[offset : offset + hi - lo])
-            offset += hi - lo
+        for unit, unit_fulls in zip(owned, fulls, strict=True):
+            for item, full in zip(unit.items, unit_fulls, strict=True):
+                lo, hi = item.layout.ranges[src]
+                full[lo:hi].copy_(received[offset : offset + hi - lo])
+                offset += hi - lo
     return list(zip(owned, fulls, strict=True))
 
 
 def _send_back(
-    bucket: list[_Item],
-    updates: dict[int, torch.Tensor],
+    bucket: list[_Unit],
+    updates: dict[int, list[torch.Tensor]],
     me: int,
     world: int,
     group: dist.ProcessGroup,
 ) -> tuple[torch.Tensor, Any]:
-    owned = [item for item in bucket if _owner(item) == me]
+    owned = [unit for unit in bucket if unit.owner == me]
     send = []
     for dst in range(world):
-        for item in owned:
-            lo, hi = item.layout.ranges[dst]
-            send.append(updates[id(item)][lo:hi])
-    send_splits = [sum(_piece(i, dst) for i in owned) for dst in range(world)]
-    recv_splits = [sum(_piece(i, me) for i in bucket if _owner(i) == src) for src in range(world)]
+        for unit in owned:
+            for item, update in zip(unit.items, updates[id(unit)], strict=True):
+                lo, hi = item.layout.ranges[dst]
+                send.append(update[lo:hi])
+    send_splits = [sum(u.piece(dst) for u in owned) for dst in range(world)]
+    recv_splits = [sum(u.piece(me) for u in bucket if u.owner == src) for src in range(world)]
     return _all_to_all(send, send_splits, recv_splits, group)
 
 
