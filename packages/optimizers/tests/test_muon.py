@@ -31,15 +31,15 @@ def test_equals_torch_muon_bitwise(shape, nesterov, adjust_lr) -> None:
         assert torch.equal(ours, ref)
 
 
-@pytest.mark.parametrize("ns_batch_size", [16, 1])
-def test_stacks_are_batches_and_convs_are_flattened(ns_batch_size) -> None:
+@pytest.mark.parametrize("ns_batch_numel", [2**22, 1])
+def test_stacks_are_batches_and_convs_are_flattened(ns_batch_numel) -> None:
     gen = torch.Generator().manual_seed(2)
     stack = torch.nn.Parameter(torch.randn(3, 12, 8, generator=gen))
     singles = [torch.nn.Parameter(stack[i].detach().clone()) for i in range(3)]
     conv = torch.nn.Parameter(torch.randn(8, 3, 2, 2, generator=gen))
     flat = torch.nn.Parameter(conv.detach().reshape(8, 12).clone())
     opt = Muon([stack, conv])
-    ref = Muon([*singles, flat], ns_batch_size=ns_batch_size)
+    ref = Muon([*singles, flat], ns_batch_numel=ns_batch_numel)
     for _ in range(2):
         g = torch.randn(3, 12, 8, generator=gen)
         gc = torch.randn(8, 3, 2, 2, generator=gen)
@@ -51,13 +51,13 @@ def test_stacks_are_batches_and_convs_are_flattened(ns_batch_size) -> None:
     # Batched, the three same-shape matrices are exactly the stack; one at a time, bmm and
     # mm round differently: close. The conv is the same matrix.
     for i, s in enumerate(singles):
-        if ns_batch_size > 1:
+        if ns_batch_numel > 1:
             assert torch.equal(stack[i], s)
         assert (stack[i] - s).abs().max() < 1e-3
     assert torch.equal(conv.detach().reshape(8, 12), flat.detach())
 
 
-def test_batches_follow_shape_and_order_and_batch_size() -> None:
+def test_batches_follow_shape_order_and_element_budget() -> None:
     from ragged_optimizers._layout import layout_of
     from ragged_optimizers._muon import _Item, _units
 
@@ -68,9 +68,13 @@ def test_batches_follow_shape_and_order_and_batch_size() -> None:
         for i, p in enumerate(torch.nn.Parameter(torch.zeros(s)) for s in shapes)
     ]
     names = lambda units: [[item.name for item in u.items] for u in units]  # noqa: E731
-    assert names(_units(items, 2)) == [["0", "2"], ["1", "6"], ["3"], ["4"], ["5"]]
-    assert names(_units(items, 16)) == [["0", "2", "3"], ["1", "6"], ["4"], ["5"]]
-    assert names(_units(items, 1)) == [[str(i)] for i in range(7)]
+    # 32 elements per matrix; the stack (2, 4, 8) and the other group's matrix go alone.
+    assert names(_units(items, 64)) == [["0", "2"], ["1", "6"], ["3"], ["4"], ["5"]]
+    assert names(_units(items, 95)) == [["0", "2"], ["1", "6"], ["3"], ["4"], ["5"]]
+    assert names(_units(items, 96)) == [["0", "2", "3"], ["1", "6"], ["4"], ["5"]]
+    assert names(_units(items, 2**22)) == [["0", "2", "3"], ["1", "6"], ["4"], ["5"]]
+    for alone in (1, 63):  # no two fit
+        assert names(_units(items, alone)) == [[str(i)] for i in range(7)]
 
 
 def test_match_rms_adamw_gives_update_rms_about_0_2() -> None:
@@ -187,5 +191,5 @@ def test_bad_input() -> None:
     with pytest.raises(ValueError, match="bucket_bytes must be an int >= 1"):
         Muon([w], bucket_bytes=0)
     for bad in (0, 2.0, True):
-        with pytest.raises(ValueError, match="ns_batch_size must be an int >= 1"):
-            Muon([w], ns_batch_size=bad)
+        with pytest.raises(ValueError, match="ns_batch_numel must be an int >= 1"):
+            Muon([w], ns_batch_numel=bad)

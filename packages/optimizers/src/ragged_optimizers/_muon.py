@@ -3,8 +3,8 @@
 A step, per process group of the shard axis:
 1. Every rank updates the momentum of its own pieces (elementwise, no communication).
 2. Same-shape matrices of a param group are taken together, in parameter order, up to
-   `ns_batch_size` at a time (a "unit": one batched Newton-Schulz, one launch per op for all of
-   them); one owner per unit, from `plan_owners` (the same plan on every rank, no
+   `ns_batch_numel` elements at a time (a "unit": one batched Newton-Schulz, one launch per op
+   for all of them); one owner per unit, from `plan_owners` (the same plan on every rank, no
    communication). Units depend on shapes and order alone, not on the number of ranks, so the
    result does not either.
 3. Per bucket of units, one all-to-all with uneven splits sends each piece of each matrix to
@@ -140,10 +140,12 @@ class Muon(Optimizer):
         adamw_weight_decay: AdamW groups' decoupled weight decay.
         bucket_bytes: Matrices travel in buckets of about this many bfloat16 bytes, one
             all-to-all each way per bucket; owners start on a bucket as soon as it arrives.
-        ns_batch_size: Up to this many same-shape 2-D matrices of a group (in parameter
-            order) are orthogonalized together, as one batched Newton-Schulz: many small
-            matrices (an MoE's experts) cost one launch per op instead of one per matrix.
-            Batched products round differently from single ones, so 1 (one at a time) gives
+        ns_batch_numel: Same-shape 2-D matrices of a group (in parameter order) are
+            orthogonalized together, as one batched Newton-Schulz, while the batch holds at
+            most this many elements: many small matrices (an MoE's experts) cost one launch
+            per op instead of one per matrix, while large ones, whose products are long
+            enough to hide their launches, go alone and spread over the owners. Batched
+            products round differently from single ones, so 1 (no batching) gives
             torch.optim.Muon's results bit for bit; any value gives the same results on any
             number of ranks.
 
@@ -172,14 +174,14 @@ class Muon(Optimizer):
         adamw_eps: float = 1e-10,
         adamw_weight_decay: float = 0.0,
         bucket_bytes: int = 32 * 2**20,
-        ns_batch_size: int = 16,
+        ns_batch_numel: int = 2**22,
     ) -> None:
-        for key, value in (("bucket_bytes", bucket_bytes), ("ns_batch_size", ns_batch_size)):
+        for key, value in (("bucket_bytes", bucket_bytes), ("ns_batch_numel", ns_batch_numel)):
             given: object = value  # user input: check what came
             if isinstance(given, bool) or not isinstance(given, int) or given < 1:
                 raise ValueError(f"{key} must be an int >= 1, got {value!r}")
         self._bucket_bytes = bucket_bytes
-        self._ns_batch_size = ns_batch_size
+        self._ns_batch_numel = ns_batch_numel
         self._layouts: dict[int, Layout] = {}
         self._param_names: dict[int, str] = {}
         defaults = {
@@ -264,7 +266,7 @@ class Muon(Optimizer):
         """The owner of every sharded Muon matrix, its FLOPs and the elements moved per step.
 
         Computed from shapes and placements alone, so every rank returns the same plan.
-        Matrices batched together (see `ns_batch_size`) share an owner. Elements travel in
+        Matrices batched together (see `ns_batch_numel`) share an owner. Elements travel in
         bfloat16 (2 bytes each way). Matrices that are not sharded (plain tensors, replicated
         DTensors, one-rank meshes) are not listed: every rank updates them.
 
@@ -279,7 +281,7 @@ class Muon(Optimizer):
         ns_steps = max((g["ns_steps"] for g in self.param_groups), default=5)
         owners: dict[int, int] = {}
         for members in _by_process_group(sharded):
-            for unit in _plan(_units(members, self._ns_batch_size), ns_steps):
+            for unit in _plan(_units(members, self._ns_batch_numel), ns_steps):
                 owners.update((id(item), unit.owner) for item in unit.items)
         out = []
         for index, item in enumerate(sharded):
@@ -318,14 +320,14 @@ class Muon(Optimizer):
                     sharded.append(_Item(param, name, layout, torch.empty(0), group))
                 elif param.grad is not None:
                     local.append(_Item(param, name, layout, torch.empty(0), group))
-        for unit in _units(local, self._ns_batch_size):
+        for unit in _units(local, self._ns_batch_numel):
             updates = self._orthogonalize_unit(unit, self._momenta(unit.items))
             self._apply_unit(unit, updates)
         if sharded:
             for members in _by_process_group(_agree(sharded)):
                 for item, update in zip(members, self._momenta(members), strict=True):
                     item.update = update.to(_COMM_DTYPE)
-                self._exchange(_units(members, self._ns_batch_size))
+                self._exchange(_units(members, self._ns_batch_numel))
         return loss
 
     def _momenta(self, items: list[_Item]) -> list[torch.Tensor]:
@@ -448,21 +450,24 @@ class Muon(Optimizer):
 # -- the exchange, as functions of the plan -----------------------------------------------------
 
 
-def _units(items: list[_Item], batch_size: int) -> list[_Unit]:
-    """Same-shape 2-D matrices of one group in order, `batch_size` per unit; others alone.
+def _units(items: list[_Item], batch_numel: int) -> list[_Unit]:
+    """Same-shape 2-D matrices of one group in order, up to `batch_numel` elements per unit.
 
-    Built from shapes and order alone: the same units on any number of ranks.
+    A matrix of a 3-D stack, or one that cannot share `batch_numel` with another of its
+    shape, is a unit alone. Built from shapes and order alone: the same units on any number
+    of ranks.
     """
     units: list[_Unit] = []
     open_units: dict[tuple[Any, ...], _Unit] = {}
     for item in items:
         shape = matrix_shape(item.layout.shape)
-        if len(shape) != 2 or batch_size == 1:
+        numel = math.prod(shape)
+        if len(shape) != 2 or 2 * numel > batch_numel:
             units.append(_Unit([item]))
             continue
         key = (id(item.group), shape, item.param.dtype)
         unit = open_units.get(key)
-        if unit is None or len(unit.items) == batch_size:
+        if unit is None or (len(unit.items) + 1) * numel > batch_numel:
             unit = open_units[key] = _Unit([])
             units.append(unit)
         unit.items.append(item)
