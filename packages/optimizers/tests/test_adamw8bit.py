@@ -21,12 +21,16 @@ def test_first_step_is_adamw_rounded_once_per_op() -> None:
     ours, fp32 = _pair((96, 70))
     fp64 = torch.nn.Parameter(fp32.detach().double())
     opts = [AdamW8bit([ours]), torch.optim.AdamW([fp32]), torch.optim.AdamW([fp64])]
-    ours.grad = fp32.grad = torch.randn(96, 70) * 0.01
+    start = fp64.detach().clone()
+    ours.grad = fp32.grad = torch.randn(96, 70, generator=torch.Generator().manual_seed(7)) * 0.01
     fp64.grad = fp32.grad.double()
     for opt in opts:
         opt.step()
     lr = opts[0].param_groups[0]["lr"]
-    torch.testing.assert_close(ours.double(), fp64, rtol=4 * 2**-24, atol=4 * lr * 2**-24)
+    # A few roundings of the decayed parameter (|p| scale) and of the step (lr scale): where the
+    # two nearly cancel, the result's own size says nothing about its error.
+    bound = 4 * 2**-24 * (start.abs() + lr)
+    assert ((ours.double() - fp64).abs() <= bound).all()
     assert (ours != fp32).float().mean() < 0.01
 
 
