@@ -275,14 +275,23 @@ def check_fsdp_module_methods() -> None:
     assert layer.unshard() is None
     assert all(p is same[n] for n, p in layer.named_parameters())  # persistent objects
     layer.reshard()
-    # set_requires_gradient_sync(recurse) reaches every nested module.
+    # set_requires_gradient_sync(recurse): groups not synced hand out no gradient.
+    tokens = torch.randint(
+        0, 37, (2, SEQ), generator=torch.Generator().manual_seed(dist.get_rank())
+    )
+
+    def synced_after_backward() -> set[str]:
+        loss_fn(model(tokens), tokens).backward()
+        names = {n.split(".")[0] for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad()
+        return names
+
     model.set_requires_gradient_sync(False)
-    for sub in (model, *model.layers):
-        assert not sub._fsdp_engine_state.group.settings.requires_gradient_sync
+    assert synced_after_backward() == set()
     model.set_requires_gradient_sync(True, recurse=False)
-    assert model._fsdp_engine_state.group.settings.requires_gradient_sync
-    assert not layer._fsdp_engine_state.group.settings.requires_gradient_sync
+    assert synced_after_backward() == {"embed", "norm", "head"}  # the root's own group
     model.set_requires_gradient_sync(True)
+    assert synced_after_backward() == {"embed", "norm", "head", "layers"}
     for name in ("set_custom_all_gather", "set_custom_reduce_scatter"):
         _expect(NotImplementedError, lambda n=name: getattr(layer, n)(None), "does not support")
     _expect(NotImplementedError, layer.set_symm_mem_for_comm, "symmetric memory")
@@ -292,22 +301,20 @@ def check_fsdp_module_methods() -> None:
         "DBuffer",
     )
     _expect(NotImplementedError, layer.set_separate_reduce_scatter_group, "process groups")
-    # set_gradient_divide_factor: gradients are sum / factor.
-    tokens = torch.randint(
-        0, 37, (2, SEQ), generator=torch.Generator().manual_seed(dist.get_rank())
-    )
+    # A forced sum divides once by the data-parallel size (the average); a divide factor
+    # gives sum / factor.
     reference = _grads_after_backward(model, tokens)
     for sub in (model, *model.layers):
-        sub.set_gradient_divide_factor(2.0)
-    scaled = _grads_after_backward(model, tokens)
-    for name, grad in reference.items():
-        torch.testing.assert_close(scaled[name], grad * world / 2.0, msg=name)
-    for sub in (model, *model.layers):
-        sub._fsdp_engine_state.group.settings.divide_factor = None
         sub.set_force_sum_reduction_for_comms(True)
     summed = _grads_after_backward(model, tokens)
     for name, grad in reference.items():
         torch.testing.assert_close(summed[name], grad, msg=name)
+    for sub in (model, *model.layers):
+        sub.set_force_sum_reduction_for_comms(False)
+        sub.set_gradient_divide_factor(2.0)
+    scaled = _grads_after_backward(model, tokens)
+    for name, grad in reference.items():
+        torch.testing.assert_close(scaled[name], grad * world / 2.0, msg=name)
     # set_all_reduce_hook sees each reduced flat shard.
     seen: list[int] = []
     model.set_all_reduce_hook(lambda t: seen.append(t.numel()))
@@ -315,8 +322,7 @@ def check_fsdp_module_methods() -> None:
     assert len(seen) == 3, seen
     # reset_iter_state, set_is_last_backward, set_reshard_after_* and unshard_in_backward.
     model.reset_iter_state()
-    model.set_reshard_after_forward(False)
-    assert all(s._fsdp_engine_state.reshard_after_forward is False for s in model.layers)
+    model.set_reshard_after_forward(False)  # check_schedule_setters: what it does
     model.set_reshard_after_backward(True)
     layer.set_unshard_in_backward(True)
     model.set_is_last_backward(True)
@@ -420,8 +426,8 @@ def check_bad_input() -> None:
     )
     # mesh=None: a 1-D mesh over the default process group.
     default = fully_shard(fresh())
-    group = default._fsdp_engine_state.group
-    assert group.mesh.ndim == 1 and group.mesh.size() == world, group.mesh
+    for param in default.parameters():
+        assert param.device_mesh.ndim == 1 and param.device_mesh.size() == world
     _expect(ValueError, lambda: fully_shard([], mesh=mesh), "non-empty")
 
 
@@ -495,36 +501,20 @@ def check_checkpoint_load(directory: str, engine: str, resume: bool) -> None:
     )
 
     model, opt = _sharded_model(engine, seed=123)
+    storages = {n: p.to_local().untyped_storage().data_ptr() for n, p in model.named_parameters()}
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
     dcp.load(state, checkpoint_id=f"{directory}/dcp")
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, opt, state["optim"])
     if engine == "ours":  # still views of the DBuffer: the next gather sends the loaded values
         for name, param in model.named_parameters():
-            group = _owner_group(model, name)
-            assert any(
-                param.to_local().untyped_storage().data_ptr()
-                == b.local.untyped_storage().data_ptr()
-                for b in group.buffers
-            ), name
+            assert param.to_local().untyped_storage().data_ptr() == storages[name], name
     expected = torch.load(f"{directory}/full.pt", weights_only=False)
     _assert_state_equal(_full_state(model, opt), expected["saved"])
     if resume:
         batches = [b[0] for b in _batches(4, 1)]
         _steps(model, opt, batches[2:])
         _assert_state_equal(_full_state(model, opt), expected["after"])
-
-
-def _owner_group(model: nn.Module, fqn: str) -> Any:
-    module_path, _, _ = fqn.rpartition(".")
-    parts = module_path.split(".") if module_path else []
-    owner = model
-    for i in range(len(parts), -1, -1):
-        candidate = model.get_submodule(".".join(parts[:i]))
-        if isinstance(candidate, fsdp_engine.FSDPModule):
-            owner = candidate
-            break
-    return owner._fsdp_engine_state.group
 
 
 def _assert_state_equal(got: dict[str, Any], expected: dict[str, Any]) -> None:
@@ -711,18 +701,14 @@ def check_copies(engine: str) -> dict[str, Any]:
     batches = [b[0] for b in _batches(2, 1)]
     _steps(model, opt, batches[:1])  # warm-up: lazy init, first allocations
     copies = engine_copies(lambda: _steps(model, opt, batches[1:]))
-    buffers = (
-        [b for s in (model, *model.layers) for b in s._fsdp_engine_state.group.buffers]
-        if engine == "ours"
-        else []
-    )
+    groups = fsdp_engine.sharding_summary(model) if engine == "ours" else []
     return {
         "kernels": {name: c.kernels for name, c in copies.items()},
         "bytes": {name: c.bytes for name, c in copies.items()},
         "param_bytes": sum(p.numel() * 4 for p in model.parameters()),
         "num_params": sum(1 for _ in model.parameters()),
-        "num_buffers": len(buffers),
-        "shard_bytes": sum(b.local.numel() * 4 for b in buffers),
+        "num_buffers": len(groups),
+        "shard_bytes": sum(g.shard_numel * g.dtype.itemsize for g in groups),
     }
 
 
@@ -893,7 +879,7 @@ def check_schedule_follows_each_iteration() -> None:
         expected = dict(reference.named_parameters())[name].grad
         torch.testing.assert_close(param.grad.full_tensor(), expected, msg=name)
     # An eval loop: nothing recorded per forward stays.
-    context = model._fsdp_engine_state.context
+    context = model._fsdp_engine_state.context  # no public API shows the recorded order
     with torch.no_grad():
         for _ in range(50):
             model(x, "ABC")
@@ -993,19 +979,17 @@ def check_schedule_setters() -> None:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     model.embed.set_unshard_in_backward(False)
-    embed_group = model.embed._fsdp_engine_state.group
-    gathers: list[bool] = []
-    original = embed_group.unshard
+    from torch.profiler import ProfilerActivity, profile
 
-    def counting_unshard(*, async_op: bool = False) -> Any:
-        if not embed_group.is_unsharded:  # a real gather; backward runs with grad mode off
-            gathers.append(torch.is_grad_enabled())
-        return original(async_op=async_op)
+    def embedding_gathers(fn: Callable[[], object]) -> int:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+        return sum(e.name == "FSDP::unshard(Embedding)" for e in prof.events())
 
-    embed_group.unshard = counting_unshard
+    outputs: list[torch.Tensor] = []
     for tokens in batches:
-        backward(model, tokens)
-    assert gathers == [True, True], gathers  # one per forward, none in backward
+        assert embedding_gathers(lambda t=tokens: outputs.append(model(t))) == 1
+        assert embedding_gathers(lambda t=tokens: loss_fn(outputs[-1], t).backward()) == 0
     _assert_grads_equal(_grads(model), expected)
 
     # reset_iter_state after an exception in the middle of forward.
@@ -1126,6 +1110,54 @@ def check_doctests() -> dict[str, Any]:
     return run_doctests("fsdp_engine", _doctest_globs)
 
 
+def check_training_states_after_errors() -> None:
+    """A half-done iteration (an exception in forward or backward) is refused, not misrun.
+
+    After `reset_iter_state()` training goes on and the gradients equal an untroubled run's.
+    """
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    tokens = torch.randint(0, Config().vocab, (2, SEQ), generator=gen)
+    reference, _ = _sharded_model("ours", seed=0)
+    loss_fn(reference(tokens), tokens).backward()
+    expected = _grads(reference)
+
+    model, _ = _sharded_model("ours", seed=0)
+
+    def fail(*_: object) -> None:
+        raise KeyError("injected")
+
+    # An exception in backward (here a user's gradient hook) leaves groups mid-backward.
+    out = model(tokens)
+    out.register_hook(fail)
+    _expect(KeyError, lambda: loss_fn(out, tokens).backward(), "injected")
+    _expect(RuntimeError, lambda: model(tokens), "from pre_backward to forward")
+    model.reset_iter_state()
+    loss_fn(model(tokens), tokens).backward()
+    _assert_grads_equal(_grads(model), expected)
+    model.zero_grad()
+
+    # An exception in forward (in the second block) leaves the root mid-forward; a backward
+    # from what the first block returned must not hand out gradients as if it had finished.
+    seen: list[torch.Tensor] = []
+
+    def capture_and_fail(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        seen.append(args[0])
+        raise KeyError("injected")
+
+    hook = model.layers[1].register_forward_pre_hook(capture_and_fail)
+    _expect(KeyError, lambda: model(tokens), "injected")
+    hook.remove()
+    _expect(
+        RuntimeError,
+        lambda: seen[0].float().sum().backward(),
+        "before its forward finished",
+    )
+    model.reset_iter_state()
+    model.zero_grad()
+    loss_fn(model(tokens), tokens).backward()
+    _assert_grads_equal(_grads(model), expected)
+
+
 def check_gradient_shards_released() -> None:
     """After zero_grad(), the next forward returns every gradient shard; held ones survive."""
     mesh = _mesh("dense")
@@ -1134,6 +1166,7 @@ def check_gradient_shards_released() -> None:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)
+    # No public API shows whether a gradient shard is allocated: the DBuffers' does.
     buffers = [b for s in (model, *model.layers) for b in s._fsdp_engine_state.group.buffers]
     batch = _my_rows(_batches(1, 1)[0][0], "dense")
 

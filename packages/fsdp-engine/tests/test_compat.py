@@ -95,3 +95,20 @@ def test_in_backward_only_while_autograd_runs_a_backward() -> None:
     assert not _compat.in_backward()
     y.sum().backward()
     assert seen == [True] and not _compat.in_backward()
+
+
+def test_apply_override_sees_every_conversion() -> None:
+    calls: list[str] = []
+
+    class Converting(_compat.ApplyOverride, torch.nn.Linear):
+        def _fsdp_convert(self, fn: object, apply: object) -> object:
+            calls.append("convert")
+            return apply()  # type: ignore[operator]
+
+    layer = Converting(2, 3)
+    assert layer.double() is layer and layer.weight.dtype == torch.float64
+    layer.to(torch.float16)
+    layer.to_empty(device="cpu")
+    assert calls == ["convert"] * 3 and layer.weight.dtype == torch.float16
+    plain = type("Plain", (_compat.ApplyOverride, torch.nn.Linear), {})(2, 3)
+    assert plain.double().weight.dtype == torch.float64  # the default just applies

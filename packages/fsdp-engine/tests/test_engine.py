@@ -124,3 +124,8 @@ def test_requires_all_reduce_hsdp(pools) -> None:
 @pytest.mark.parametrize("world", [1, 3])
 def test_gradient_shards_are_released_after_zero_grad(pools, world) -> None:
     pools[world].run(cases.check_gradient_shards_released)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_half_done_iterations_are_refused_then_reset(pools, world) -> None:
+    pools[world].run(cases.check_training_states_after_errors)

@@ -15,9 +15,10 @@ from torch.distributed.tensor import Shard
 
 from dbuffer import DBuffer
 from fsdp_engine._compat import parameter_slots
+from fsdp_engine._config import GroupConfig
 from fsdp_engine._group import Location, ManagedParam, ParamGroup
-from fsdp_engine._module import _STATE, FSDPModule, state_of
-from fsdp_engine._state import FSDPState
+from fsdp_engine._module import FSDPModule, state_of
+from fsdp_engine._state import STATE_ATTR, FSDPState, states_under
 
 BlockRowsArg = int | Mapping[str, int] | Callable[[str, nn.Parameter], int] | None
 M = TypeVar("M", bound=nn.Module)
@@ -114,7 +115,7 @@ def fully_shard(
     _check_placements(found, shard_placement_fn)
     rows = _resolve_block_rows(block_rows, found)
     group = _build_group(found, rows, mesh, mp_policy, label=type(modules[0]).__name__)
-    state = FSDPState(modules, group, reshard, mp_policy)
+    state = FSDPState(modules, group, GroupConfig(reshard_after_forward=reshard), mp_policy)
     for mod in modules:
         _install(mod, state)
         # What torch's fully_shard marks on the modules it manages: transformers reads it
@@ -198,12 +199,10 @@ class _Found:
 def _collect_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]) -> _Found:
     found = _Found()
     taken: dict[nn.Parameter, str] = {}  # managed by nested groups -> their owner's class
-    for mod in modules:
-        for sub in mod.modules():
-            state = getattr(sub, _STATE, None)
-            if isinstance(state, FSDPState) and state.group is not None:
-                for original in state.group.originals:
-                    taken[original] = type(sub).__name__
+    for state in states_under(modules):
+        if state.group is not None:
+            for original in state.group.originals:
+                taken[original] = state.group.label
     for index, mod in enumerate(modules):
         prefix = f"{index}." if len(modules) > 1 else ""
         for sub_name, sub in _modules_outside_groups(mod):
@@ -370,7 +369,7 @@ def _install(module: nn.Module, state: FSDPState) -> None:
         fsdp_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
         _CLASS_CACHE[cls] = fsdp_cls
     module.__class__ = fsdp_cls
-    setattr(module, _STATE, state)
+    setattr(module, STATE_ATTR, state)
 
     def pre_forward(
         mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]

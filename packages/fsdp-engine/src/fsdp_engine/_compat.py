@@ -12,6 +12,10 @@
   parameters in; the engine swaps sharded and gathered parameters in it directly
   (`register_parameter` would check and re-run hooks per parameter per step) and takes
   entries out around `nn.Module._apply`.
+- `ApplyOverride`: a mixin overriding `nn.Module._apply`, the private method behind `.to()`,
+  `.cuda()`, `to_empty()` and `.double()`; it hands the conversion to the class's
+  `_fsdp_convert(fn, apply)` (the group's parameters are views of its DBuffers, which convert
+  as one tensor each), where `apply()` runs nn.Module's own `_apply` on the rest.
 - `profiler_range(name)`: `torch.profiler.record_function(name)` only while a profiler runs
   (`torch._C._autograd._profiler_enabled`): a range costs ~8 us even with no profiler, and
   a step enters a few per group.
@@ -35,6 +39,7 @@ from torch.utils import _pytree as pytree
 from ragged_placement import check_torch_version
 
 __all__ = [
+    "ApplyOverride",
     "in_backward",
     "map_tensors",
     "parameter_slots",
@@ -99,6 +104,19 @@ def parameter_slots(module: nn.Module) -> dict[str, nn.Parameter | None]:
     """The dict `module` registers its own parameters in (names to parameters), live."""
     slots: dict[str, nn.Parameter | None] = module._parameters
     return slots
+
+
+class ApplyOverride:
+    """Routes `nn.Module._apply` through `self._fsdp_convert(fn, apply)` (see above)."""
+
+    def _fsdp_convert(self, fn: Callable[[torch.Tensor], torch.Tensor], apply: Any) -> Any:
+        return apply()
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        def apply() -> Any:
+            return super(ApplyOverride, self)._apply(fn, recurse)  # type: ignore[misc]
+
+        return self._fsdp_convert(fn, apply)
 
 
 _NO_RANGE = nullcontext()

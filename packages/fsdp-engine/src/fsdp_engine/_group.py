@@ -28,6 +28,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from dbuffer import DBuffer, Handle
 from fsdp_engine._compat import parameter_slots, profiler_range
+from fsdp_engine._config import GroupConfig
 
 Location = tuple[nn.Module, str]
 
@@ -46,18 +47,6 @@ class ManagedParam:
     @property
     def requires_grad(self) -> bool:
         return self.sharded.requires_grad
-
-
-@dataclass
-class ReduceSettings:
-    """How a group reduces its gradients (the FSDPModule setters write these)."""
-
-    requires_gradient_sync: bool = True
-    requires_all_reduce: bool = True
-    divide_factor: float | None = None
-    force_sum_reduction: bool = False
-    reduce_scatter_unused_params: bool = False
-    all_reduce_hook: Callable[[torch.Tensor], None] | None = None
 
 
 @dataclass(eq=False)
@@ -82,7 +71,6 @@ class ParamGroup:
     mesh: DeviceMesh
     mp_policy: MixedPrecisionPolicy
     label: str
-    settings: ReduceSettings = field(default_factory=ReduceSettings)
     is_unsharded: bool = False
     _unshard_handles: list[Handle] = field(default_factory=list)
     _pending_reduce: _PendingReduce | None = None
@@ -173,7 +161,7 @@ class ParamGroup:
                 param.unsharded.grad = None  # type: ignore[union-attr]
             self._received.update([p for p, _ in got])
 
-    def reduce(self, *, async_op: bool) -> None:
+    def reduce(self, config: GroupConfig, *, async_op: bool) -> None:
         """Reduce-scatters every DBuffer's gradients (the sharded `.grad`s are set later).
 
         Sharded gradients that the user has not zeroed (`.grad` not None) are kept and the
@@ -197,9 +185,8 @@ class ParamGroup:
                     if param.sharded.grad is None:
                         buffer.sharded_grad(param.name).to_local().zero_()
                 saved[buffer] = buffer.local_grad.clone()
-        settings = self.settings
-        factor = settings.divide_factor
-        if factor is None and settings.force_sum_reduction:
+        factor = config.divide_factor
+        if factor is None and config.force_sum_reduction:
             factor = float(self.data_parallel_size)
         # With a factor: gradients divided once by it, then summed over both mesh axes.
         self._reduce_op = "avg" if factor is None else "sum"
@@ -220,7 +207,7 @@ class ParamGroup:
                 )
         self._pending_reduce = _PendingReduce(handles, saved)
 
-    def wait_for_reduce(self) -> None:
+    def wait_for_reduce(self, config: GroupConfig) -> None:
         """Waits for the reduce-scatter and finishes the group's reduction.
 
         Then all-reduces over the replicate axis (HSDP), runs the all-reduce hook and adds
@@ -232,12 +219,12 @@ class ParamGroup:
         for buffer, handle in pending.handles:
             with profiler_range(f"FSDP::wait_for_reduce({self.label})"):
                 handle.wait()
-            if self.settings.requires_all_reduce and buffer.replicate_dim is not None:
+            if config.requires_all_reduce and buffer.replicate_dim is not None:
                 buffer.all_reduce(
                     op=self._reduce_op, reduce_dtype=self.mp_policy.reduce_dtype
                 ).wait()
-            if self.settings.all_reduce_hook is not None:
-                self.settings.all_reduce_hook(buffer.local_grad)
+            if config.all_reduce_hook is not None:
+                config.all_reduce_hook(buffer.local_grad)
             old = pending.saved.get(buffer)
             if old is not None:
                 buffer.local_grad.add_(old)
@@ -263,18 +250,19 @@ class ParamGroup:
         """Per trainable parameter: whether it got a gradient on this rank since the reduce."""
         return [p in self._received for p in self.params if p.sharded.requires_grad]
 
-    def assign_gradients(self, used_anywhere: list[bool]) -> None:
+    def assign_gradients(self, used_anywhere: list[bool], *, unused_too: bool) -> None:
         """Points each trainable sharded parameter's `.grad` at its reduced gradient.
 
         Args:
             used_anywhere: Per trainable parameter, whether any rank produced a gradient for
                 it. Parameters no rank used keep `.grad` as it was (None after zero_grad),
                 as in single-process training, unless unused parameters are reduced too.
+            unused_too: Hand out (zero) gradients of parameters no rank used as well.
         """
         trainable = [p for p in self.params if p.sharded.requires_grad]
         reduced_by_buffer = {buffer: buffer.sharded_grads() for buffer in self.buffers}
         for param, used in zip(trainable, used_anywhere, strict=True):
-            if not used and not self.settings.reduce_scatter_unused_params:
+            if not used and not unused_too:
                 continue
             reduced = reduced_by_buffer[param.buffer][param.name]
             current = param.sharded.grad

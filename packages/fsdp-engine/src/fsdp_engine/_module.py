@@ -7,6 +7,7 @@ parity table lists them). The state lives in `module._fsdp_engine_state` (`_stat
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -14,11 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_engine._compat import parameter_slots
+from fsdp_engine._compat import ApplyOverride, parameter_slots
 from fsdp_engine._group import move_storage
-from fsdp_engine._state import FSDPState
-
-_STATE = "_fsdp_engine_state"
+from fsdp_engine._state import STATE_ATTR, FSDPState, states_under
 
 
 class UnshardHandle:
@@ -41,7 +40,7 @@ class UnshardHandle:
 
 
 def state_of(module: nn.Module) -> FSDPState:
-    state = getattr(module, _STATE, None)
+    state = getattr(module, STATE_ATTR, None)
     if not isinstance(state, FSDPState):
         raise ValueError(
             f"{type(module).__name__} is not an fsdp_engine FSDPModule: call "
@@ -50,15 +49,14 @@ def state_of(module: nn.Module) -> FSDPState:
     return state
 
 
-def _states(module: nn.Module, recurse: bool) -> list[FSDPState]:
-    if not recurse:
-        return [state_of(module)]
-    found: list[FSDPState] = []
-    for sub in module.modules():
-        state = getattr(sub, _STATE, None)
-        if isinstance(state, FSDPState) and state not in found:
-            found.append(state)
-    return found
+def _configure(module: object, recurse: bool, **changes: Any) -> None:
+    """The one way a setter changes settings: a new frozen config for each state it reaches.
+
+    `recurse`: every FSDP state in the module's subtree, else the module's own.
+    """
+    states = states_under([module]) if recurse else [state_of(module)]  # type: ignore[arg-type, list-item]
+    for state in states:
+        state.config = dataclasses.replace(state.config, **changes)
 
 
 def _check_bool(what: str, value: object) -> bool:
@@ -71,7 +69,7 @@ def _not_supported(method: str, reason: str) -> NotImplementedError:
     return NotImplementedError(f"fsdp_engine does not support {method}: {reason}")
 
 
-class FSDPModule:
+class FSDPModule(ApplyOverride):
     """Mixin of every module `fully_shard` was applied to (its class becomes FSDP<Name>).
 
     Example:
@@ -147,25 +145,19 @@ class FSDPModule:
             >>> model.set_requires_gradient_sync(False)  # e.g. all micro-batches but the last
         """
         value = _check_bool("requires_gradient_sync", requires_gradient_sync)
-        for state in _states(self, recurse):  # type: ignore[arg-type]
-            if state.group is not None:
-                state.group.settings.requires_gradient_sync = value
+        _configure(self, recurse, requires_gradient_sync=value)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: False reduce-scatters but skips the all-reduce over the replicate axis."""
         value = _check_bool("requires_all_reduce", requires_all_reduce)
-        for state in _states(self, recurse):  # type: ignore[arg-type]
-            if state.group is not None:
-                state.group.settings.requires_all_reduce = value
+        _configure(self, recurse, requires_all_reduce=value)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Gradients are summed over ranks and divided by `factor` (not recursive)."""
         value: object = factor
         if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
             raise ValueError(f"gradient divide factor must be a number > 0, got {factor!r}")
-        state = state_of(self)  # type: ignore[arg-type]
-        if state.group is not None:
-            state.group.settings.divide_factor = float(value)
+        _configure(self, False, divide_factor=float(value))
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated alias of `set_gradient_divide_factor`."""
@@ -179,18 +171,14 @@ class FSDPModule:
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Reduce with SUM and one division by the data-parallel size (not recursive)."""
         value = _check_bool("enable", enable)
-        state = state_of(self)  # type: ignore[arg-type]
-        if state.group is not None:
-            state.group.settings.force_sum_reduction = value
+        _configure(self, False, force_sum_reduction=value)
 
     def set_reduce_scatter_unused_params(
         self, reduce_scatter_unused_params: bool, *, recurse: bool = True
     ) -> None:
         """True: parameters no rank used get a zero sharded gradient instead of None."""
         value = _check_bool("reduce_scatter_unused_params", reduce_scatter_unused_params)
-        for state in _states(self, recurse):  # type: ignore[arg-type]
-            if state.group is not None:
-                state.group.settings.reduce_scatter_unused_params = value
+        _configure(self, recurse, reduce_scatter_unused_params=value)
 
     def set_all_reduce_hook(
         self, hook: Callable[[torch.Tensor], None], *, stream: Any = None
@@ -202,9 +190,7 @@ class FSDPModule:
         """
         if not callable(hook):
             raise TypeError(f"hook must be callable, got {hook!r}")
-        for state in _states(self, recurse=True):  # type: ignore[arg-type]
-            if state.group is not None:
-                state.group.settings.all_reduce_hook = hook
+        _configure(self, True, all_reduce_hook=hook)
 
     def set_reduce_scatter_max_input_buffers(
         self, max_input_buffers: int, *, recurse: bool = True
@@ -220,41 +206,39 @@ class FSDPModule:
         value: object = max_input_buffers
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"max_input_buffers must be an int >= 1, got {max_input_buffers!r}")
-        for state in _states(self, recurse):  # type: ignore[arg-type]
-            state.max_reduces_in_flight = value
+        _configure(self, recurse, max_reduces_in_flight=value)
 
     # -- schedule -----------------------------------------------------------------------------
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether to free the gathered parameters after forward (bool only)."""
         value = _check_bool("reshard_after_forward", reshard_after_forward)
-        for state in _states(self, recurse):  # type: ignore[arg-type]
-            state.reshard_after_forward = value
+        _configure(self, recurse, reshard_after_forward=value)
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
     ) -> None:
         """Whether to free the gathered parameters after backward."""
         value = _check_bool("reshard_after_backward", reshard_after_backward)
-        for state in _states(self, recurse):  # type: ignore[arg-type]
-            state.reshard_after_backward = value
+        _configure(self, recurse, reshard_after_backward=value)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """False skips the all-gather in backward.
 
         For modules whose backward does not read their parameters, e.g. an embedding.
         """
-        state_of(self).unshard_in_backward = _check_bool(  # type: ignore[arg-type]
-            "unshard_in_backward", unshard_in_backward
-        )
+        value = _check_bool("unshard_in_backward", unshard_in_backward)
+        _configure(self, False, unshard_in_backward=value)
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Gather these modules' groups asynchronously when this module's forward starts."""
-        state_of(self).forward_prefetch = _prefetch_states(modules)  # type: ignore[arg-type]
+        targets = _prefetch_states(modules)
+        _configure(self, False, forward_prefetch=targets)
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Gather these modules' groups asynchronously when this module's backward starts."""
-        state_of(self).backward_prefetch = _prefetch_states(modules)  # type: ignore[arg-type]
+        targets = _prefetch_states(modules)
+        _configure(self, False, backward_prefetch=targets)
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """The root's next forward waits for `event` (CUDA) instead of the current stream."""
@@ -306,20 +290,20 @@ class FSDPModule:
 
     # -- nn.Module integration ----------------------------------------------------------------
 
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+    def _fsdp_convert(self, fn: Callable[[torch.Tensor], torch.Tensor], apply: Any) -> Any:
         # `.to()`, `.cuda()`, `to_empty()`, `.double()`: the group's parameters are views of
         # its DBuffers, so convert the DBuffers (one tensor each) and rebind the parameters;
-        # everything else goes through nn.Module._apply.
-        state = getattr(self, _STATE, None)
+        # `apply()` (nn.Module's own conversion) sees everything else.
+        state = getattr(self, STATE_ATTR, None)
         group = state.group if isinstance(state, FSDPState) else None
         if group is None:
-            return super()._apply(fn, recurse)  # type: ignore[misc]
+            return apply()
         group.reshard()
         saved = [(p, module, attr) for p in group.params for module, attr in p.locations]
         for _, module, attr in saved:
             del parameter_slots(module)[attr]
         try:
-            result = super()._apply(fn, recurse)  # type: ignore[misc]
+            result = apply()
         finally:
             for param, module, attr in saved:
                 parameter_slots(module)[attr] = param.sharded
@@ -327,7 +311,7 @@ class FSDPModule:
         return result
 
 
-def _prefetch_states(modules: object) -> list[FSDPState]:
+def _prefetch_states(modules: object) -> tuple[FSDPState, ...]:
     if not isinstance(modules, Iterable) or isinstance(modules, nn.Module):
         raise TypeError(f"modules must be a list of FSDPModules, got {type(modules).__name__}")
     states = []
@@ -338,4 +322,4 @@ def _prefetch_states(modules: object) -> list[FSDPState]:
                 f"{type(module).__name__}"
             )
         states.append(state_of(module))  # type: ignore[arg-type]
-    return states
+    return tuple(states)

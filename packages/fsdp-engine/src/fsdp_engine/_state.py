@@ -19,8 +19,9 @@ The schedule, per iteration (FSDP2's, on DBuffers):
 
 from __future__ import annotations
 
+import dataclasses
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,13 +35,51 @@ from fsdp_engine._compat import (
     profiler_range,
     queue_backward_callback,
 )
+from fsdp_engine._config import GroupConfig
 from fsdp_engine._group import ParamGroup, used_anywhere
 
+STATE_ATTR = "_fsdp_engine_state"  # where fully_shard keeps a module's FSDPState
 
-class Phase(enum.Enum):
-    IDLE = "idle"
-    FORWARD = "forward"
-    BACKWARD = "backward"
+
+class TrainingState(enum.Enum):
+    """Where a group is in the iteration (one per `fully_shard` call)."""
+
+    IDLE = "idle"  # between iterations, or between a run's forward and its backward
+    FORWARD = "forward"  # a run's forward is under way
+    PRE_BACKWARD = "pre_backward"  # a run's backward started: gathered for it
+    POST_BACKWARD = "post_backward"  # a run's backward ended: gradients collected, reducing
+
+
+_I, _F, _PRE, _POST = (
+    TrainingState.IDLE,
+    TrainingState.FORWARD,
+    TrainingState.PRE_BACKWARD,
+    TrainingState.POST_BACKWARD,
+)
+# The transitions the schedule makes (docs/architecture.md: the table with their events).
+# Refused: backward reaching a group whose forward has not finished, and a forward (other
+# than a checkpointed recompute, which changes no training state) into a group whose
+# backward never ended; both mean an earlier exception left the iteration half done. The end
+# of backward and `reset_iter_state` put every group back to IDLE.
+_ALLOWED: dict[TrainingState, frozenset[TrainingState]] = {
+    # IDLE -> IDLE: the outer end of a nested run (a registered method calling forward);
+    # IDLE -> POST_BACKWARD: the end of backward closes a run whose hooks got no gradient.
+    _I: frozenset({_I, _F, _PRE, _POST}),
+    _F: frozenset({_F, _I}),  # FORWARD -> FORWARD: a list group's next module, a nested run
+    _PRE: frozenset({_PRE, _POST}),  # PRE -> PRE: another run of the module (it ran twice)
+    _POST: frozenset({_PRE, _POST}),
+}
+
+
+def states_under(modules: Iterable[nn.Module]) -> list[FSDPState]:
+    """The FSDP states in the modules' subtrees, each once, in module order."""
+    found: dict[int, FSDPState] = {}
+    for module in modules:
+        for sub in module.modules():
+            state = getattr(sub, STATE_ATTR, None)
+            if isinstance(state, FSDPState):
+                found.setdefault(id(state), state)
+    return list(found.values())
 
 
 @dataclass(eq=False)
@@ -64,6 +103,7 @@ class Context:
     post_optim_event: Any = None
 
     def reset(self) -> None:
+        """Forgets the iteration in progress: every group back to IDLE."""
         self.callback_queued = False
         self.reducing = []
         self.post_forward_order = []
@@ -73,23 +113,18 @@ class Context:
 
 @dataclass(eq=False)
 class FSDPState:
-    """The per-call state: its modules, its group and its schedule settings."""
+    """The per-call state: its modules, its group, its config and its training state."""
 
     modules: tuple[nn.Module, ...]
     group: ParamGroup | None  # None when every parameter was taken by nested calls
-    reshard_after_forward: bool | None
+    config: GroupConfig
     mp_policy: MixedPrecisionPolicy
-    reshard_after_backward: bool = True
-    unshard_in_backward: bool = True
-    forward_prefetch: list[FSDPState] | None = None
-    backward_prefetch: list[FSDPState] | None = None
-    max_reduces_in_flight: int = 1  # reduces in flight when this group's backward ends
     context: Context | None = None
     # Context settings made before there is a context (setters never choose the root): the
     # context of the tree this state ends up in takes them at lazy init.
     pending_context_settings: dict[str, Any] = field(default_factory=dict)
     is_root: bool = False
-    phase: Phase = Phase.IDLE
+    training_state: TrainingState = TrainingState.IDLE
     # Per iteration, counted per forward run (a module may run more than once): runs with
     # autograd recording, post-backwards done, and runs whose backward started but whose
     # post-backward has not run (the group must stay gathered while one is open).
@@ -98,14 +133,33 @@ class FSDPState:
     _num_backward_runs_open: int = 0
     _modules_done: set[int] = field(default_factory=set)
     _post_forward_positions: list[int] = field(default_factory=list)  # in post_forward_order
+    # A checkpointed recompute is under way (its first module ran). Recomputes leave the
+    # training state alone: a non-reentrant one stops as soon as it has what backward needs,
+    # so its post-forward may never run; the group's post-backward ends it.
+    _recomputing: bool = False
 
     def reset(self) -> None:
-        self.phase = Phase.IDLE
+        self.training_state = TrainingState.IDLE
         self._num_forward_runs = 0
         self._num_post_backwards = 0
         self._num_backward_runs_open = 0
         self._modules_done = set()
         self._post_forward_positions = []
+        self._recomputing = False
+
+    @property
+    def label(self) -> str:
+        return self.group.label if self.group is not None else type(self.modules[0]).__name__
+
+    def _to(self, new: TrainingState) -> None:
+        old = self.training_state
+        if new not in _ALLOWED[old]:
+            raise RuntimeError(
+                f"fully_shard: {self.label} cannot go from {old.value} to {new.value}: "
+                + _WHY_REFUSED.get((old, new), "the iteration is out of order")
+                + "; after an exception mid-iteration call reset_iter_state() on the root"
+            )
+        self.training_state = new
 
     def set_context_setting(self, name: str, value: object) -> None:
         """Sets a Context field now, or at lazy init if there is no context yet."""
@@ -120,12 +174,7 @@ class FSDPState:
         """Makes this state the root of every FSDP state in its modules' subtrees."""
         if self.context is not None:
             return
-        states: list[FSDPState] = []
-        for module in self.modules:
-            for sub in module.modules():
-                state = getattr(sub, "_fsdp_engine_state", None)
-                if isinstance(state, FSDPState) and state not in states:
-                    states.append(state)
+        states = states_under(self.modules)
         for state in states:
             if state.context is not None:
                 raise RuntimeError(
@@ -140,8 +189,10 @@ class FSDPState:
         for state in states:
             state.context = context
             state.is_root = state is self
-            if state.reshard_after_forward is None:
-                state.reshard_after_forward = not state.is_root
+            if state.config.reshard_after_forward is None:  # the one place it is resolved
+                state.config = dataclasses.replace(
+                    state.config, reshard_after_forward=not state.is_root
+                )
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -151,25 +202,19 @@ class FSDPState:
         self.lazy_init()
         context = self.context
         assert context is not None
-        if self.is_root and context.post_optim_event is not None:
-            # The optimizer step recorded this event: the gathers below must see its writes.
-            context.post_optim_event.wait()
-            context.post_optim_event = None
-        if self.is_root and self.phase is not Phase.FORWARD:
-            # Gradient shards nobody holds any more (zero_grad set them to None) go back now,
-            # not after this forward and backward (FSDP2 holds none across steps either).
-            for state in context.states:
-                if state.group is not None:
-                    state.group.release_unused_gradients()
-        first = self.phase is not Phase.FORWARD  # the first module of this group to run
         # Activation checkpointing recomputes forward inside backward: that is not a run of
         # its own (no order recorded, no prefetch, no post-backward owed for it).
         recompute = in_backward()
+        if recompute:
+            first = not self._recomputing  # this group's first module (a list group)
+            self._recomputing = True
+        else:
+            first = self.training_state is not TrainingState.FORWARD
+            if first:
+                if self.is_root:
+                    self._start_root_forward(context)
+                self._to(TrainingState.FORWARD)
         if first:
-            if self.is_root and not recompute:  # a new root forward: a new forward order
-                context.last_forward_order = context.forward_order
-                context.forward_order = []
-            self.phase = Phase.FORWARD
             if torch.is_grad_enabled() and not recompute:
                 self._num_forward_runs += 1
             if self.group is not None:
@@ -190,20 +235,36 @@ class FSDPState:
             args, kwargs = _PostBackward.route(self, args, kwargs)
         return args, kwargs
 
+    def _start_root_forward(self, context: Context) -> None:
+        if context.post_optim_event is not None:
+            # The optimizer step recorded this event: the gathers must see its writes.
+            context.post_optim_event.wait()
+            context.post_optim_event = None
+        # Gradient shards nobody holds any more (zero_grad set them to None) go back now,
+        # not after this forward and backward (FSDP2 holds none across steps either).
+        for state in context.states:
+            if state.group is not None:
+                state.group.release_unused_gradients()
+        context.last_forward_order = context.forward_order
+        context.forward_order = []
+
     def post_forward(self, module: nn.Module, output: Any) -> Any:
         self._modules_done.add(id(module))
         if len(self._modules_done) < len(self.modules):
             return output  # a list group reshards after its last module
         self._modules_done = set()
-        self.phase = Phase.IDLE
         context = self.context
         recompute = in_backward()  # activation checkpointing: backward reads these next
+        if recompute:
+            self._recomputing = False
+        else:
+            self._to(TrainingState.IDLE)
         # Only forwards that a backward will follow (not an eval loop, not a recompute).
         recorded = torch.is_grad_enabled() and not recompute
         if context is not None and self.group is not None and recorded:
             self._post_forward_positions.append(len(context.post_forward_order))
             context.post_forward_order.append(self)
-        if self.group is not None and self.reshard_after_forward and not recompute:
+        if self.group is not None and self.config.reshard_after_forward and not recompute:
             with profiler_range(f"FSDP::post_forward({self.group.label})"):
                 self.group.reshard()
         if torch.is_grad_enabled() and self.group is not None:
@@ -213,27 +274,27 @@ class FSDPState:
             output = _cast_floats(output, self.mp_policy.output_dtype)
         return output
 
-    def _forward_targets(self, position: int) -> list[FSDPState]:
+    def _forward_targets(self, position: int) -> Sequence[FSDPState]:
         """The groups to gather next in forward.
 
         Set explicitly, or the one after this group's position in the previous forward, if
         this group held the same position there.
         """
-        if self.forward_prefetch is not None:
-            return self.forward_prefetch
+        if self.config.forward_prefetch is not None:
+            return self.config.forward_prefetch
         last = self.context.last_forward_order if self.context else []
         if position + 1 < len(last) and last[position] is self:
             return [last[position + 1]]
         return []
 
-    def _backward_targets(self) -> list[FSDPState]:
+    def _backward_targets(self) -> Sequence[FSDPState]:
         """The groups to gather next in backward.
 
         Set explicitly, or the one that finished forward just before this group's latest
         forward run not yet backpropagated.
         """
-        if self.backward_prefetch is not None:
-            return self.backward_prefetch
+        if self.config.backward_prefetch is not None:
+            return self.config.backward_prefetch
         if not self._post_forward_positions or self.context is None:
             return []
         position = self._post_forward_positions.pop()
@@ -246,7 +307,7 @@ class FSDPState:
             group = target.group
             if group is None or group.is_unsharded:
                 continue
-            if when == "backward" and not target.unshard_in_backward:
+            if when == "backward" and not target.config.unshard_in_backward:
                 continue
             with profiler_range(f"FSDP::{when}_prefetch({group.label})"):
                 group.unshard(async_op=True)
@@ -262,10 +323,10 @@ class FSDPState:
         if started[0]:
             return grad
         started[0] = True
+        self._to(TrainingState.PRE_BACKWARD)
         self._num_backward_runs_open += 1
-        self.phase = Phase.BACKWARD
         with profiler_range(f"FSDP::pre_backward({self.group.label})"):
-            if self.unshard_in_backward:
+            if self.config.unshard_in_backward:
                 self.group.unshard()
                 self.group.wait_for_unshard()
             self._prefetch(self._backward_targets(), "backward")
@@ -275,32 +336,40 @@ class FSDPState:
         """Reshards the group, collects its gradients and starts its reduce-scatter."""
         if self.group is None:
             return
+        self._to(TrainingState.POST_BACKWARD)
+        self._recomputing = False
         self._num_post_backwards += 1
         self._num_backward_runs_open = max(0, self._num_backward_runs_open - 1)
-        group, context = self.group, self.context
+        group, context, config = self.group, self.context, self.config
         assert context is not None
         with profiler_range(f"FSDP::post_backward({group.label})"):
             # The gathered parameters go first: the gradient buffer filled next is as large,
             # and both at once (with the gradients and the next group's prefetch) would be
             # the step's peak. The gradients stay reachable through the unsharded objects.
-            if self.reshard_after_backward and not self._num_backward_runs_open:
+            if config.reshard_after_backward and not self._num_backward_runs_open:
                 group.reshard()
-            if group.settings.requires_gradient_sync:
+            if config.requires_gradient_sync:
                 # Finish the reduces in flight before this group's gradient buffer is filled,
                 # so that their buffers are freed first: one group's gradients at a time.
-                while len(context.reducing) >= self.max_reduces_in_flight:
-                    context.reducing.pop(0).group.wait_for_reduce()  # type: ignore[union-attr]
+                self._limit_reduces_in_flight(context)
             group.collect_gradients()
-            if not group.settings.requires_gradient_sync:
+            if not config.requires_gradient_sync:
                 return
             if group.has_reduce:
                 # A reduce from a backward that was not the last (set_is_last_backward):
                 # finish it first, so that this one adds to its gradients.
-                finish_reduces([group])
-            while len(context.reducing) >= self.max_reduces_in_flight:
-                context.reducing.pop(0).group.wait_for_reduce()  # type: ignore[union-attr]
-            group.reduce(async_op=True)
+                finish_reduces([self])
+            self._limit_reduces_in_flight(context)
+            group.reduce(config, async_op=True)
             context.reducing.append(self)
+
+    def _limit_reduces_in_flight(self, context: Context) -> None:
+        while len(context.reducing) >= self.config.max_reduces_in_flight:
+            context.reducing.pop(0).wait_for_reduce()
+
+    def wait_for_reduce(self) -> None:
+        if self.group is not None:
+            self.group.wait_for_reduce(self.config)
 
     def _end_of_backward(self) -> None:
         context = self.context
@@ -310,31 +379,41 @@ class FSDPState:
                 if state._num_post_backwards < state._num_forward_runs:
                     state._num_backward_runs_open = 0  # backward is over: none is still open
                     state.post_backward()
-                elif state.group is not None and state.reshard_after_backward:
+                elif state.group is not None and state.config.reshard_after_backward:
                     state.group.reshard()  # e.g. prefetched but never run
             if context.is_last_backward:
-                finish_reduces([s.group for s in context.states if s.group is not None])
+                finish_reduces(context.states)
                 context.reducing = []
             context.post_forward_order = []
+            context.callback_queued = False
             for state in context.states:
                 state.reset()
-            context.callback_queued = False
 
 
-def finish_reduces(candidates: list[ParamGroup]) -> None:
-    """Waits for the groups' pending reduces and hands out their sharded gradients.
+_WHY_REFUSED = {
+    (_F, _PRE): "backward reached it before its forward finished",
+    (_F, _POST): "backward reached it before its forward finished",
+    (_PRE, _F): "a forward ran while its backward had not ended",
+    (_POST, _F): "a forward ran while its backward had not ended",
+}
+
+
+def finish_reduces(states: Sequence[FSDPState]) -> None:
+    """Waits for the states' pending reduces and hands out their sharded gradients.
 
     Every rank calls it for the same groups in the same order (it runs a small collective).
     """
-    groups = [group for group in candidates if group.has_reduce]
-    for group in groups:
-        group.wait_for_reduce()
-    by_mesh: dict[int, list[ParamGroup]] = {}
-    for group in groups:
-        by_mesh.setdefault(id(group.mesh), []).append(group)
+    pending = [s for s in states if s.group is not None and s.group.has_reduce]
+    for state in pending:
+        state.wait_for_reduce()
+    by_mesh: dict[int, list[FSDPState]] = {}
+    for state in pending:
+        assert state.group is not None
+        by_mesh.setdefault(id(state.group.mesh), []).append(state)
     for same_mesh in by_mesh.values():
-        for group, used in zip(same_mesh, used_anywhere(same_mesh), strict=True):
-            group.assign_gradients(used)
+        groups = [s.group for s in same_mesh if s.group is not None]
+        for state, group, used in zip(same_mesh, groups, used_anywhere(groups), strict=True):
+            group.assign_gradients(used, unused_too=state.config.reduce_scatter_unused_params)
 
 
 class _PostBackward(torch.autograd.Function):

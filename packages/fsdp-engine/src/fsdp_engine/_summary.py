@@ -7,8 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fsdp_engine._module import _STATE
-from fsdp_engine._state import FSDPState
+from fsdp_engine._state import states_under
 
 
 @dataclass(frozen=True)
@@ -64,12 +63,9 @@ def sharding_summary(module: nn.Module) -> list[GroupSummary]:
     if not isinstance(module, nn.Module):
         raise TypeError(f"sharding_summary takes an nn.Module, got {type(module).__name__}")
     out: list[GroupSummary] = []
-    seen: set[int] = set()
-    for sub in module.modules():
-        state = getattr(sub, _STATE, None)
-        if not isinstance(state, FSDPState) or state.group is None or id(state) in seen:
+    for state in states_under([module]):
+        if state.group is None:
             continue
-        seen.add(id(state))
         for buffer in state.group.buffers:
             out.append(
                 GroupSummary(

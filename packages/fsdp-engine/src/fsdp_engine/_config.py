@@ -1,0 +1,42 @@
+"""GroupConfig: one `fully_shard` call's settings, frozen, replaced whole by each setter.
+
+Every knob of a group lives here and nowhere else: `fully_shard` builds the first one, the
+root's lazy init resolves `reshard_after_forward=None` (True except for the root), and each
+`FSDPModule.set_*` method writes a new one through `configure`, which honours `recurse`. The
+schedule (`_state.py`) and the group (`_group.py`) only read it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class GroupConfig:
+    """A group's schedule and reduction settings (FSDP2's setters, one field each).
+
+    Example:
+        >>> import dataclasses
+        >>> config = GroupConfig(reshard_after_forward=None)
+        >>> dataclasses.replace(config, max_reduces_in_flight=2).max_reduces_in_flight
+        2
+    """
+
+    # Free the gathered parameters after forward; None until the root is known.
+    reshard_after_forward: bool | None
+    reshard_after_backward: bool = True
+    unshard_in_backward: bool = True
+    # Explicit prefetch targets (FSDPStates); None: the order recorded in the last iteration.
+    forward_prefetch: tuple[Any, ...] | None = None
+    backward_prefetch: tuple[Any, ...] | None = None
+    max_reduces_in_flight: int = 1  # reduce-scatters in flight when this group's backward ends
+    requires_gradient_sync: bool = True
+    requires_all_reduce: bool = True  # HSDP: all-reduce over the replicate axis
+    divide_factor: float | None = None
+    force_sum_reduction: bool = False
+    reduce_scatter_unused_params: bool = False
+    all_reduce_hook: Callable[[torch.Tensor], None] | None = None
