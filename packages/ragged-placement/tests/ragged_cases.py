@@ -457,6 +457,97 @@ def check_foreach_decisions(units: tuple[int, ...]) -> None:
         torch.testing.assert_close(param.full_tensor(), ref.detach())
 
 
+def _full_tensors(arg: Any) -> Any:
+    if isinstance(arg, DTensor):
+        return arg.full_tensor()
+    if isinstance(arg, list) and isinstance(arg[0], DTensor):
+        return [t.full_tensor() for t in arg]
+    return arg
+
+
+def check_foreach_on_locals(units: tuple[int, ...]) -> None:
+    """Elementwise foreach ops on RaggedShard lists of one layout per entry run on the local
+    tensors (no DTensor dispatch per entry) and equal the ops on the full tensors; every
+    other call goes through DTensor's dispatch and is right too."""
+    from ragged_placement import _compat
+
+    mesh = _mesh()
+    rows = sum(units)
+    other_units = tuple(reversed(units))
+    shapes = [(2 * rows, 3), (rows,), (3 * rows, 2, 2)]
+
+    def ragged(tag: int, scale: float = 1.0, layout: tuple[int, ...] = units) -> list[Any]:
+        return [
+            distribute_tensor(_full(shape, seed=tag + i) * scale, mesh, [RaggedShard((0,), layout)])
+            for i, shape in enumerate(shapes)
+        ]
+
+    fallbacks: list[object] = []
+    dispatch = _compat.dispatch_without_handler
+
+    def counting(op: Any, args: Any, kwargs: Any) -> object:
+        fallbacks.append(op)
+        return dispatch(op, args, kwargs)
+
+    _compat.dispatch_without_handler = counting  # what the installed handlers call
+    try:
+        aten = torch.ops.aten
+        pos = lambda tag: [d.abs() + 0.1 for d in ragged(tag)]  # noqa: E731
+        replicated = DTensor.from_local(torch.tensor(0.25), mesh, [Replicate()])
+        fast = [  # (op, args, kwargs): on the local tensors
+            (aten._foreach_add_.List, (ragged(1), ragged(2)), {"alpha": 2.0}),
+            (aten._foreach_add_.Scalar, (ragged(3), 0.5), {}),
+            (aten._foreach_mul_.ScalarList, (ragged(4), [0.5, 2.0, -1.0]), {}),
+            (aten._foreach_mul_.Tensor, (ragged(5), replicated), {}),
+            (aten._foreach_lerp_.Scalar, (ragged(6), ragged(7), 0.1), {}),
+            (aten._foreach_addcmul_.Scalar, (ragged(8), ragged(9), ragged(10)), {"value": 0.3}),
+            (aten._foreach_addcdiv_.ScalarList, (ragged(11), ragged(12), pos(13), [1, 2, 3]), {}),
+            (aten._foreach_div_.List, (ragged(14), pos(15)), {}),
+            (aten._foreach_sqrt.default, (pos(16),), {}),
+            (aten._foreach_add.List, (ragged(17), ragged(18)), {}),
+            (aten._foreach_zero_.default, (ragged(19),), {}),
+            (aten._foreach_norm.Scalar, (ragged(25), 2), {}),  # partial norms
+            (aten._foreach_norm.Scalar, (ragged(26), math.inf), {}),
+        ]
+        full_copies = [r.redistribute(mesh, [Replicate()]) for r in ragged(21)]
+        partial = DTensor.from_local(torch.tensor(0.5), mesh, [Partial()])
+        slow = [  # DTensor's dispatch: a Replicate list, a Partial scalar, another layout
+            (aten._foreach_add_.List, (ragged(20), full_copies), {}),
+            (aten._foreach_mul_.Tensor, (ragged(22), partial), {}),
+            (aten._foreach_add.List, (ragged(23), ragged(24, layout=other_units)), {}),
+            (aten._foreach_norm.Scalar, (full_copies, 2), {}),
+        ]
+        for group, expect_fast in ((fast, True), (slow, False)):
+            for op, args, kwargs in group:
+                fulls = [_full_tensors(a) for a in args]
+                expected = op(*fulls, **kwargs)
+                before = len(fallbacks)
+                got = op(*args, **kwargs)
+                ran_fast = len(fallbacks) == before
+                same_layout = op is aten._foreach_add.List and other_units == units
+                assert ran_fast == (expect_fast or same_layout), (op, units)
+                if got is None:  # in place
+                    got, expected = args[0], fulls[0]
+                assert all(isinstance(g, DTensor) for g in got), op
+                for g, e in zip(got, expected, strict=True):
+                    torch.testing.assert_close(g.full_tensor(), e, msg=str(op))
+        # Autograd through the local path: d(sum(3 x + x))/dx = 4.
+        leaves = [t.detach().requires_grad_() for t in ragged(27)]
+        tripled = torch._foreach_mul(leaves, 3.0)
+        summed = torch._foreach_add(tripled, leaves)
+        sum(t.sum() for t in summed).backward()
+        for leaf in leaves:
+            torch.testing.assert_close(leaf.grad.full_tensor(), torch.full(leaf.shape, 4.0))
+        # A dtype promotion out of place is DTensor's to decide, and it still is right.
+        ints = [distribute_tensor(torch.arange(2 * rows), mesh, [RaggedShard((0,), units)])]
+        before = len(fallbacks)
+        promoted = torch._foreach_add(ints, 0.5)
+        assert len(fallbacks) == before + 1 and promoted[0].dtype == torch.float32
+        torch.testing.assert_close(promoted[0].full_tensor(), torch.arange(2 * rows) + 0.5)
+    finally:
+        _compat.dispatch_without_handler = dispatch
+
+
 # -- random fills and full state dicts (model initialisation and loading) ---------------------
 
 

@@ -237,3 +237,35 @@ def test_random_ops_torch_routes_through_python_include_the_fills() -> None:
     assert _compat.dtensor_random_ops() >= RANDOM_FILLS
     patched = dtensor_dispatch.OpDispatcher._dispatch_get_local_results_slow_path
     assert patched.__code__.co_name == "local_results" and patched.__wrapped__, patched
+
+
+def test_foreach_handlers_are_installed_and_lifted_for_one_call(tmp_path) -> None:
+    result = _python(
+        f"""
+        import torch, torch.distributed as dist
+        dist.init_process_group("gloo", init_method="file://{tmp_path}/rdv", rank=0, world_size=1)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+        from ragged_placement import _compat
+
+        handlers = DTensor._op_dispatcher._custom_op_handlers
+        ops = torch.ops.aten
+        for op in (ops._foreach_add_.List, ops._foreach_lerp_.Scalar, ops._foreach_norm.Scalar):
+            assert op in handlers, op
+        assert ops._foreach_max.default not in handlers  # a reduction, not elementwise
+        calls = []
+        handlers[ops._foreach_add_.List] = lambda *a: calls.append(a)
+        mesh = init_device_mesh("cpu", (1,))
+        x = [distribute_tensor(torch.ones(3), mesh, [Replicate()])]
+        torch._foreach_add_(x, x)  # through the (probing) handler
+        assert len(calls) == 1 and torch.equal(x[0].to_local(), torch.ones(3))
+        _compat.dispatch_without_handler(ops._foreach_add_.List, (x, x), {{}})
+        assert len(calls) == 1, calls  # lifted for that call: DTensor's own dispatch ran
+        assert torch.equal(x[0].to_local(), torch.full((3,), 2.0))
+        assert handlers[ops._foreach_add_.List] is not None  # and put back
+        torch._foreach_add_(x, x)
+        assert len(calls) == 2
+        print("ok")
+        """
+    )
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]

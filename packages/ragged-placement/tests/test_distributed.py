@@ -94,6 +94,12 @@ def test_elementwise_and_foreach_ops(pools, world) -> None:
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
+def test_elementwise_foreach_ops_run_on_the_locals(pools, world) -> None:
+    for units in UNITS[world]:
+        pools[world].run(cases.check_foreach_on_locals, units)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
 def test_foreach_ops_are_decided_entry_by_entry(pools, world) -> None:
     for units in UNITS[world]:
         pools[world].run(cases.check_foreach_decisions, units)

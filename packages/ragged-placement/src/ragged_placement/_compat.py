@@ -23,7 +23,11 @@ at each call:
   `uniform_`, ...: what `nn.init` runs), which torch would offset by a Shard's row offset;
 - `torch.distributed._state_dict_utils._distribute_tensors` (redirected), which cuts a full
   state dict's tensors by shape and offset when loading (`set_model_state_dict` with
-  `full_state_dict`, `broadcast_from_rank0`).
+  `full_state_dict`, `broadcast_from_rank0`);
+- `OpDispatcher._custom_op_handlers`, the per-op table the C++ DTensor dispatcher consults
+  before anything else: elementwise `_foreach_*` ops get a handler that runs RaggedShard lists
+  on their local tensors (`_foreach.py`) and hands every other call back to the dispatcher
+  with the handler lifted for that call (`dispatch_without_handler`).
 Tested on torch 2.13 and 2.14 (`nox -s tests`); other versions are refused at import with a
 clear error rather than risking silent misbehaviour (`check_torch_version`, which dbuffer and
 fsdp_engine call too). A torch internal missing at install is an ImportError naming the version.
@@ -164,6 +168,22 @@ def make_dtensor(local: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool)
     return dt
 
 
+def are_we_tracing() -> bool:
+    """Whether torch.compile (or another tracer) is tracing this call."""
+    return bool(funcol._are_we_tracing())
+
+
+def dispatch_without_handler(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
+    """`op(*args, **kwargs)` through DTensor's own dispatch, with our handler for `op` lifted."""
+    handlers: dict[Any, Any] = DTensor._op_dispatcher._custom_op_handlers
+    handler = handlers.pop(op, None)
+    try:
+        return op(*args, **kwargs)
+    finally:
+        if handler is not None:
+            handlers[op] = handler
+
+
 def make_dtensors(locals_: Sequence[torch.Tensor], specs: Sequence[DTensorSpec]) -> list[DTensor]:
     """`make_dtensor` of many (not requiring grad): one constructor call per DTensor."""
     new = DTensor.__new__
@@ -285,6 +305,14 @@ class Hooks(Protocol):
         self, op: Any, dt: DTensor, args: Sequence[object], kwargs: dict[str, Any]
     ) -> torch.Tensor | None: ...
     def load_full(self, dt: DTensor, full: torch.Tensor) -> DTensor: ...
+    def foreach_ops(self) -> list[Any]: ...
+    def run_foreach(
+        self,
+        op: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        fallback: Callable[[Any, tuple[Any, ...], dict[str, Any]], object],
+    ) -> object: ...
 
 
 _installed: list[Hooks] = []
@@ -606,3 +634,12 @@ def _install(hooks: Hooks) -> None:
         return _distribute_tensors
 
     redirect(state_dict_utils._distribute_tensors, wrap_distribute_tensors)
+
+    # Elementwise foreach ops (an optimizer step's): one handler each, unless torch has one.
+    handlers: dict[Any, Any] = DTensor._op_dispatcher._custom_op_handlers
+
+    def run_foreach(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
+        return hooks.run_foreach(op, args, kwargs, dispatch_without_handler)
+
+    for op in hooks.foreach_ops():
+        handlers.setdefault(op, run_foreach)

@@ -22,6 +22,7 @@ from ragged_placement._compat import (
     spec_of,
 )
 from ragged_placement._decisions import ShardingDecisions
+from ragged_placement._foreach import foreach_ops, run
 from ragged_placement._ops import RANDOM_FILLS, schema_has_ragged
 from ragged_placement._placement import RaggedShard, StridedRaggedShard
 from ragged_placement._redistribute import (
@@ -162,6 +163,18 @@ class RaggedHooks:
             return make_dtensor(piece.to(dt.dtype), spec_of(dt), requires_grad=False)
         local.copy_(piece)
         return dt
+
+    def foreach_ops(self) -> list[Any]:
+        return foreach_ops()
+
+    def run_foreach(
+        self,
+        op: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        fallback: Callable[[Any, tuple[Any, ...], dict[str, Any]], object],
+    ) -> object:
+        return run(op, args, kwargs, fallback)
 
     @staticmethod
     def _piece_of(full: torch.Tensor, dt: DTensor) -> torch.Tensor:

@@ -91,7 +91,8 @@ def _is_elementwise(op: torch._ops.OpOverload) -> bool:
     return torch.Tag.pointwise in op.tags or op in _ELEMENTWISE_EXTRA
 
 
-def _is_foreach_elementwise(op: torch._ops.OpOverload) -> bool:
+def is_foreach_elementwise(op: torch._ops.OpOverload) -> bool:
+    """Whether `op` is a `_foreach_*` op whose per-entry op is elementwise."""
     name = op.__name__  # e.g. "_foreach_add_.Scalar"
     if not name.startswith("_foreach_"):
         return False
@@ -104,7 +105,7 @@ def _is_foreach_elementwise(op: torch._ops.OpOverload) -> bool:
 
 def is_columnwise(op: torch._ops.OpOverload) -> bool:
     """Whether a foreach op decides each list entry on its own (elementwise, `_foreach_norm`)."""
-    return op is aten._foreach_norm.Scalar or _is_foreach_elementwise(op)
+    return op is aten._foreach_norm.Scalar or is_foreach_elementwise(op)
 
 
 def _with_meta(
@@ -239,7 +240,7 @@ def _reduction(op_schema: OpSchema, kind: str, metas: Any) -> OutputSharding:
         ord_ = _as_float(args[1] if len(args) > 1 else 2.0)
         assert isinstance(specs, (list, tuple))
         out = [
-            _reduced_spec(s, m, "norm", ord_) if isinstance(s, DTensorSpec) else None
+            reduced_spec(s, m, "norm", ord_) if isinstance(s, DTensorSpec) else None
             for s, m in zip(specs, metas, strict=True)
         ]
         return OutputSharding(out)
@@ -262,11 +263,12 @@ def _reduction(op_schema: OpSchema, kind: str, metas: Any) -> OutputSharding:
                 f"{op_schema.op} over dims {dim} of a RaggedShard tensor; only whole-tensor norms "
                 "are supported. Redistribute to Replicate or Shard first."
             )
-        return OutputSharding(_reduced_spec(spec, metas, kind, norm_ord))
-    return OutputSharding(_reduced_spec(spec, metas, kind, 0.0))
+        return OutputSharding(reduced_spec(spec, metas, kind, norm_ord))
+    return OutputSharding(reduced_spec(spec, metas, kind, 0.0))
 
 
-def _reduced_spec(spec: DTensorSpec, meta: TensorMeta, kind: str, ord_: float) -> DTensorSpec:
+def reduced_spec(spec: DTensorSpec, meta: TensorMeta, kind: str, ord_: float) -> DTensorSpec:
+    """The spec of a whole-tensor reduction (`kind`: sum, norm or mean) of `spec`."""
     strided = any(isinstance(p, StridedRaggedShard) for p in spec.placements)
     if strided and kind == "mean":
         # Chunk sizes depend on the piece, so rank shares do not factor per mesh axis.
@@ -318,7 +320,7 @@ def propagate(op_schema: OpSchema, tensor_meta: Callable[[OpSchema], Any]) -> Ou
                 "Fill a tensor of the shape you need, or redistribute first."
             )
         return OutputSharding(op_schema.args_schema[0])
-    if _is_foreach_elementwise(op):
+    if is_foreach_elementwise(op):
         return _foreach(op_schema, tensor_meta(op_schema))
     if _is_elementwise(op):
         return _elementwise(op_schema, tensor_meta(op_schema), flat_args)
