@@ -173,7 +173,7 @@ def are_we_tracing() -> bool:
     return bool(funcol._are_we_tracing())
 
 
-def dispatch_without_handler(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
+def dispatch_without_handler(op: Any, args: OpArgs, kwargs: OpKwargs) -> object:
     """`op(*args, **kwargs)` through DTensor's own dispatch, with our handler for `op` lifted."""
     handlers: dict[Any, Any] = DTensor._op_dispatcher._custom_op_handlers
     handler = handlers.pop(op, None)
@@ -267,6 +267,11 @@ class DispatchMode(TorchDispatchMode):
 # -- hooks ---------------------------------------------------------------------------------
 
 
+OpArgs = tuple[Any, ...]
+OpKwargs = dict[str, Any]
+OpCall = Callable[[Any, OpArgs, OpKwargs], object]  # op, args, kwargs -> result
+
+
 class Hooks(Protocol):
     """What `install` calls for RaggedShard inputs (implemented by `_redistribute`, `_ops`)."""
 
@@ -306,13 +311,7 @@ class Hooks(Protocol):
     ) -> torch.Tensor | None: ...
     def load_full(self, dt: DTensor, full: torch.Tensor) -> DTensor: ...
     def foreach_ops(self) -> list[Any]: ...
-    def run_foreach(
-        self,
-        op: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        fallback: Callable[[Any, tuple[Any, ...], dict[str, Any]], object],
-    ) -> object: ...
+    def run_foreach(self, op: Any, args: OpArgs, kwargs: OpKwargs, fallback: OpCall) -> object: ...
 
 
 _installed: list[Hooks] = []
@@ -638,7 +637,7 @@ def _install(hooks: Hooks) -> None:
     # Elementwise foreach ops (an optimizer step's): one handler each, unless torch has one.
     handlers: dict[Any, Any] = DTensor._op_dispatcher._custom_op_handlers
 
-    def run_foreach(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
+    def run_foreach(op: Any, args: OpArgs, kwargs: OpKwargs) -> object:
         return hooks.run_foreach(op, args, kwargs, dispatch_without_handler)
 
     for op in hooks.foreach_ops():

@@ -17,14 +17,20 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Replicate
 
-from ragged_placement._compat import DTensorSpec, TensorMeta, are_we_tracing, make_dtensors
+from ragged_placement._compat import (
+    DTensorSpec,
+    OpCall,
+    TensorMeta,
+    are_we_tracing,
+    make_dtensors,
+)
 from ragged_placement._ops import is_foreach_elementwise, reduced_spec
 from ragged_placement._placement import RaggedShard, StridedRaggedShard
 
@@ -37,8 +43,6 @@ _NUMBER_CLASSES = frozenset(_NUMBERS)
 # `_foreach_norm` (clip_grad_norm_'s) has a path of its own: each entry's norm is a partial.
 _REDUCTIONS = frozenset({"_foreach_max", "_foreach_norm"})
 _NORM = aten._foreach_norm.Scalar
-
-Fallback = Callable[[Any, tuple[Any, ...], dict[str, Any]], object]
 
 
 def foreach_ops() -> list[Any]:
@@ -57,7 +61,7 @@ def foreach_ops() -> list[Any]:
     return [*ops, _NORM]
 
 
-def run(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], fallback: Fallback) -> object:
+def run(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], fallback: OpCall) -> object:
     """`op(*args, **kwargs)` on the local tensors, or through `fallback` (see the docstring)."""
     if op is _NORM:
         return _norms(args, kwargs, fallback)
@@ -73,7 +77,7 @@ def run(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], fallback: Fallba
     return make_dtensors(out, specs)
 
 
-def _norms(args: tuple[Any, ...], kwargs: dict[str, Any], fallback: Fallback) -> object:
+def _norms(args: tuple[Any, ...], kwargs: dict[str, Any], fallback: OpCall) -> object:
     """`_foreach_norm`: each entry's local norm, as a partial norm over the sharded axes."""
     ord_ = args[1] if len(args) > 1 else 2
     extra = set(kwargs) - {"dtype"}

@@ -13,6 +13,9 @@ from torch.distributed.tensor.placement_types import Placement, Replicate
 from ragged_placement._checkpoint import chunk_list, tensor_shard, write_items
 from ragged_placement._compat import (
     DTensorSpec,
+    OpArgs,
+    OpCall,
+    OpKwargs,
     OpSchema,
     OutputSharding,
     TensorMeta,
@@ -167,13 +170,7 @@ class RaggedHooks:
     def foreach_ops(self) -> list[Any]:
         return foreach_ops()
 
-    def run_foreach(
-        self,
-        op: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        fallback: Callable[[Any, tuple[Any, ...], dict[str, Any]], object],
-    ) -> object:
+    def run_foreach(self, op: Any, args: OpArgs, kwargs: OpKwargs, fallback: OpCall) -> object:
         return run(op, args, kwargs, fallback)
 
     @staticmethod
