@@ -89,13 +89,18 @@ def _norms(args: tuple[Any, ...], kwargs: dict[str, Any], fallback: OpCall) -> o
     (local_list,), _, specs = locals_
     out = _local_norms(local_list, ord_, kwargs)
     keys = [(id(spec), ord_, t.dtype) for spec, t in zip(specs, out, strict=True)]
-    if not _SEEN.norm_specs.keys() >= set(keys):
-        for key, spec, t in zip(keys, specs, out, strict=True):
-            if key not in _SEEN.norm_specs:
-                meta = TensorMeta(torch.Size(()), (), t.dtype)
-                _SEEN.norm_specs[key] = reduced_spec(spec, meta, "norm", float(ord_))
-                _SEEN.keep(spec)
-    return make_dtensors(out, [_SEEN.norm_specs[key] for key in keys])
+    known = _SEEN.norm_specs
+    if known.keys() >= set(keys):
+        return make_dtensors(out, [known[key] for key in keys])
+    out_specs = []
+    for key, spec, t in zip(keys, specs, out, strict=True):
+        found = known.get(key)
+        if found is None:
+            _SEEN.keep(spec)  # first: it may drop what is cached, never what is built here
+            found = reduced_spec(spec, TensorMeta(torch.Size(()), (), t.dtype), "norm", ord_)
+            known[key] = found
+        out_specs.append(found)
+    return make_dtensors(out, out_specs)
 
 
 def _local_norms(
@@ -177,8 +182,8 @@ def _local_args(
             if id(entry) in unseen:
                 if not _qualifies(entry):
                     return None
-                _SEEN.placements.add(id(entry))
                 _SEEN.keep(entry)
+                _SEEN.placements.add(id(entry))
     local_args: list[Any] = [[t._local_tensor for t in first]]
     for arg in args[1:]:
         local = _local_arg(arg, specs)
@@ -215,8 +220,8 @@ def _local_arg(arg: Any, specs: list[DTensorSpec]) -> Any:
                 if (id(other), id(spec)) in pairs:
                     if not _same_layout(other, spec):
                         return _REFUSED
-                    _SEEN.equal.add((id(other), id(spec)))
                     _SEEN.keep(other, spec)
+                    _SEEN.equal.add((id(other), id(spec)))
     return [t._local_tensor for t in arg]
 
 
