@@ -21,6 +21,11 @@ def live_tensor_bytes() -> int:
 
     DTensors count their local tensor; freed (resized-to-zero) storages count nothing.
     """
+    return sum(live_storages().values())
+
+
+def live_storages() -> dict[int, int]:
+    """The distinct storages of every tensor Python can reach now: data pointer -> bytes."""
     import gc
 
     from torch.distributed.tensor import DTensor
@@ -40,7 +45,7 @@ def live_tensor_bytes() -> int:
                 storages[storage.data_ptr()] = storage.nbytes()
         except (RuntimeError, NotImplementedError):  # wrapper subclasses, fake tensors
             continue
-    return sum(storages.values())
+    return storages
 
 
 def peak_live_bytes(
