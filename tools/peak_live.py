@@ -37,7 +37,8 @@ from profiling import live_storages, live_tensor_bytes  # noqa: E402
 
 
 def _label(event: Any) -> str:
-    # The innermost named range (ours and FSDP2 both open ranges per group) and the op.
+    # The innermost named range (ours and FSDP2 both open ranges per group) and the op; an
+    # allocation with none made on another thread (gloo's workers) says which.
     op, scope = event.parent.name if event.parent else "?", []
     node = event.parent
     while node is not None:
@@ -45,7 +46,11 @@ def _label(event: Any) -> str:
             scope.append(node.name)
             break
         node = node.parent
-    return f"{scope[0] if scope else '-'} / {op}"
+    root = event
+    while root.parent is not None:
+        root = root.parent
+    where = scope[0] if scope else f"thread {event.start_tid} under {root.name}"
+    return f"{where} / {op}"
 
 
 def _live_at_peak(prof: Any, window_name: str) -> tuple[int, str, list[tuple[str, int]]]:
@@ -95,7 +100,7 @@ def _rank(rank: int, world: int, init: str, args: argparse.Namespace) -> None:
 
     mesh = init_device_mesh("cpu", (world,))
     vocab = MODELS[args.model].vocab
-    for engine in ("fsdp2", "ours"):
+    for engine in args.engines.split(","):
         model, opt = _build(args.model, engine, args.dtype, mesh)
         gen = torch.Generator().manual_seed(rank)
 
@@ -143,6 +148,7 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--show-rank", type=int, default=0)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--engines", default="fsdp2,ours")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:

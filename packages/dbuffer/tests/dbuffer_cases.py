@@ -518,7 +518,9 @@ def check_zero_copy(mixed: bool) -> dict[str, int]:
     global_storage = buf.full("w1", dtype=dtype).untyped_storage()  # the global buffer's
     buf.reshard()
     before = global_storage.size()
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+    with profile(
+        activities=[ProfilerActivity.CPU], record_shapes=True, profile_memory=True
+    ) as prof:
         with record_function("unshard"):
             buf.unshard(dtype=dtype).wait()
         with record_function("reduce_scatter"):
@@ -529,6 +531,16 @@ def check_zero_copy(mixed: bool) -> dict[str, int]:
     # Inside the collective too: gloo's own reduce-scatter clones its whole input.
     clones = [e for e in prof.events() if e.name == "aten::clone" and _within(e, "reduce_scatter")]
     allocating_ops = [f"{e.name}{e.input_shapes}" for e in unshard if e.name in _ALLOC_OPS]
+    # Every thread's allocations while the unshard runs, gloo's workers' included (its
+    # all-gather would stage the whole output in a temporary).
+    events = list(prof.profiler.kineto_results.events())
+    (window,) = [e for e in events if e.name() == "unshard"]
+    begin, end = window.start_ns(), window.start_ns() + window.duration_ns()
+    unshard_allocated = sum(
+        e.nbytes()
+        for e in events
+        if e.name() == "[memory]" and begin <= e.start_ns() <= end and e.nbytes() > 0
+    )
     # Views point into the buffers: one storage of exactly the global buffer's size.
     storage = global_storage.data_ptr()
     nbytes = buf.layout.buffer_numel * (dtype or torch.float32).itemsize
@@ -545,6 +557,7 @@ def check_zero_copy(mixed: bool) -> dict[str, int]:
         "reduce_clones": len(clones),
         "shard_size": buf.shard_size,
         "allocating_ops": allocating_ops,
+        "unshard_allocated": unshard_allocated,
         # The one allocation of an unshard: the global storage growing back (no op allocates).
         "storage_bytes": [before, global_storage.size()],
         "buffer_bytes": nbytes,

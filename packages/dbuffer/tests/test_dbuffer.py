@@ -72,14 +72,17 @@ def test_bad_input(pools, world) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_unshard_and_reduce_scatter_make_no_copies(pools, world) -> None:
-    # Outside the collective itself (gloo stages data internally), unshard runs no copy
-    # kernel; mixed precision adds exactly the one cast. On gloo the reduce all-reduces the
-    # gradient buffer in place (gloo's reduce-scatter would clone all of it first) and
+    # On gloo, unshard writes this rank's S elements into its own chunk of the global buffer
+    # (one copy, or with mixed precision the one cast) and broadcasts each chunk in place:
+    # gloo's all-gather would stage the whole output in a temporary and copy it over, so
+    # nothing but the global buffer may be allocated, on any thread. The reduce all-reduces
+    # the gradient buffer in place (gloo's reduce-scatter would clone all of it first) and
     # copies this rank's S elements out: one copy of S, no clone.
-    for mixed, expected in ((False, 0), (True, 1)):
+    for mixed in (False, True):
         results = pools[world].run(cases.check_zero_copy, mixed)
         for r in results:
-            assert len(r["copies"]) == expected, r
+            assert len(r["copies"]) == 1 and f"[[{r['shard_size']}]," in r["copies"][0], r
+            assert r["unshard_allocated"] == r["buffer_bytes"], r
             assert r["reduce_copies"] == [[[r["shard_size"]], [r["shard_size"]], []]], r
             assert r["reduce_clones"] == 0, r
             assert r["allocating_ops"] == [], r

@@ -709,6 +709,13 @@ def check_copies(engine: str) -> dict[str, Any]:
         "num_params": sum(1 for _ in model.parameters()),
         "num_buffers": len(groups),
         "shard_bytes": sum(g.shard_numel * g.dtype.itemsize for g in groups),
+        # Gathers per step: the root's (the first group) once, as it stays unsharded
+        # through backward; the others' again in backward.
+        "gathered_shard_bytes": sum(
+            g.shard_numel * g.dtype.itemsize * (1 if index == 0 else 2)
+            for index, g in enumerate(groups)
+        ),
+        "num_gathers": 2 * len(groups) - 1 if groups else 0,
     }
 
 

@@ -87,11 +87,14 @@ def test_one_copy_per_gradient_and_no_interleaving_copies(pools, world) -> None:
         # Ours: each gradient reaches the reduce-scatter buffer in exactly one copy_, no
         # gather copy-in / copy-out and no reduce-scatter copy-in. On gloo each DBuffer
         # all-reduces that buffer in place (gloo's reduce-scatter would clone all of it)
-        # and copies its own shard out: one more copy of S elements per DBuffer.
+        # and copies its own shard out: one more copy of S elements per DBuffer; and each
+        # gather copies the rank's S elements into its chunk of the global buffer, which
+        # gloo broadcasts in place (its all-gather stages the whole output and copies it).
         assert set(mine["kernels"]) == {"aten::copy_"}, mine
-        num_copies = mine["num_params"] + mine["num_buffers"]
+        num_copies = mine["num_params"] + mine["num_buffers"] + mine["num_gathers"]
         assert mine["kernels"]["aten::copy_"] == num_copies, mine
-        assert mine["bytes"]["aten::copy_"] == mine["param_bytes"] + mine["shard_bytes"], mine
+        expected_bytes = mine["param_bytes"] + mine["shard_bytes"] + mine["gathered_shard_bytes"]
+        assert mine["bytes"]["aten::copy_"] == expected_bytes, mine
         # The same method sees FSDP2's interleaving copies.
         assert fsdp2["kernels"].get("fsdp::chunk_cat", 0) > 0, fsdp2
         assert fsdp2["kernels"].get("fsdp::split_with_sizes_copy", 0) > 0, fsdp2

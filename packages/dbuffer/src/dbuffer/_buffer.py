@@ -154,10 +154,12 @@ class DBuffer:
         check_layout(self.layout, specs, world)
         self._rank = mesh.get_local_rank(self.shard_dim)
         self._group = mesh.get_group(self.shard_dim)
-        # Gloo's reduce-scatter all-reduces a clone of its input and copies out one chunk.
-        # Reducing our own buffer in place does the same arithmetic and traffic without the
-        # clone, which would otherwise stay live (as large as the buffer) until the wait.
-        self._reduce_in_place = self.device.type == "cpu" and _cpu_backend_is_gloo(self._group)
+        # Gloo's reduce-scatter all-reduces a clone of its input and copies out one chunk; its
+        # all-gather gathers into a temporary as large as the output and copies it over.
+        # Reducing our own buffer in place, and gathering it with one broadcast per rank into
+        # that rank's chunk, moves the same bytes without them: each temporary would
+        # otherwise stay live (as large as the buffer) until the wait.
+        self._gloo_in_place = self.device.type == "cpu" and _cpu_backend_is_gloo(self._group)
         size = self.layout.shard_size
         self.local = torch.zeros(size, dtype=self.dtype, device=self.device)
         self.copy_(dict(tensors))
@@ -348,7 +350,7 @@ class DBuffer:
         if memory is not None and memory.allocated:
             return self._pending_unshards.get(dtype) or Handle()
         buffer = self._global_buffer(dtype)
-        if dtype == self.dtype:
+        if dtype == self.dtype and not (self._gloo_in_place and self._group.size() > 1):
             send = self.local
         else:
             # Cast straight into this rank's own chunk of the global buffer (the only
@@ -360,7 +362,16 @@ class DBuffer:
         # On one rank the buffer aliases `local`, or the cast above already filled it.
         if self._group.size() > 1:
             with profiler_range("DBuffer::all_gather"):
-                works.append(all_gather_single(buffer, send, group=self._group, async_op=async_op))
+                if self._gloo_in_place:
+                    for rank, chunk in enumerate(buffer.split(self.shard_size)):
+                        source = dist.get_global_rank(self._group, rank)
+                        works.append(
+                            dist.broadcast(chunk, source, group=self._group, async_op=async_op)
+                        )
+                else:
+                    works.append(
+                        all_gather_single(buffer, send, group=self._group, async_op=async_op)
+                    )
         handle = Handle(works, device=self.device, event=record_event(self.device))
         self._pending_unshards[dtype] = handle
         return handle
@@ -523,7 +534,7 @@ class DBuffer:
         send = grad if reduce_dtype in (None, self.dtype) else grad.to(reduce_dtype)
         works: list[dist.Work | None] = []
         temps = [] if send is grad else [send]
-        if self._group.size() == 1 or self._reduce_in_place:
+        if self._group.size() == 1 or self._gloo_in_place:
             # `send` ends up holding the reduced sums; `finish` reads this rank's chunk.
             if self._group.size() > 1:
                 with profiler_range("DBuffer::reduce_scatter"):
