@@ -14,7 +14,9 @@ Memory model (see docs/architecture.md, "DBuffer"):
   `reduce_scatter()` reduces it straight into `local_grad`, whose views are the sharded
   gradients, then frees it (`_grad_buffer.py`); on gloo, whose reduce-scatter all-reduces a
   clone of its input, it all-reduces the buffer in place and copies this rank's S elements
-  out instead. `all_reduce()` then averages them over the replicate axis (HSDP).
+  out instead, and whose all-gather stages the whole output in a temporary, it copies `local`
+  into this rank's chunk and broadcasts each chunk in place. `all_reduce()` then averages
+  them over the replicate axis (HSDP).
 - Freed memory: `full()` raises while resharded, and a backward that needs a view autograd
   saved raises autograd's version error while its memory is freed; with `check_freed` every
   op on a view checks too (`_freeable.py`, `_views.py`). On CUDA frees are ordered with
@@ -353,8 +355,8 @@ class DBuffer:
         if dtype == self.dtype and not (self._gloo_in_place and self._group.size() > 1):
             send = self.local
         else:
-            # Cast straight into this rank's own chunk of the global buffer (the only
-            # elementwise pass) and all-gather in place: no send buffer is allocated.
+            # Cast (or, on gloo, copy) straight into this rank's own chunk of the global
+            # buffer (the only elementwise pass) and gather in place: no send buffer.
             start = self._rank * self.shard_size
             send = buffer[start : start + self.shard_size]
             send.copy_(self.local)
