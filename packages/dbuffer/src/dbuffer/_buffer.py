@@ -365,7 +365,8 @@ class DBuffer:
         if self._group.size() > 1:
             with profiler_range("DBuffer::all_gather"):
                 if self._gloo_in_place:
-                    for rank, chunk in enumerate(buffer.split(self.shard_size)):
+                    for rank in range(self._group.size()):
+                        chunk = buffer.narrow(0, rank * self.shard_size, self.shard_size)
                         source = dist.get_global_rank(self._group, rank)
                         works.append(
                             dist.broadcast(chunk, source, group=self._group, async_op=async_op)
