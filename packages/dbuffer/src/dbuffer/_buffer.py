@@ -161,7 +161,13 @@ class DBuffer:
         # Reducing our own buffer in place, and gathering it with one broadcast per rank into
         # that rank's chunk, moves the same bytes without them: each temporary would
         # otherwise stay live (as large as the buffer) until the wait.
-        self._gloo_in_place = self.device.type == "cpu" and _cpu_backend_is_gloo(self._group)
+        self._gloo_in_place = (
+            self._group.size() > 1
+            and self.device.type == "cpu"
+            and _cpu_backend_is_gloo(self._group)
+        )
+        # Each rank's global rank, the source of the broadcast of its chunk.
+        self._group_ranks = dist.get_process_group_ranks(self._group)
         size = self.layout.shard_size
         self.local = torch.zeros(size, dtype=self.dtype, device=self.device)
         self.copy_(dict(tensors))
@@ -352,7 +358,7 @@ class DBuffer:
         if memory is not None and memory.allocated:
             return self._pending_unshards.get(dtype) or Handle()
         buffer = self._global_buffer(dtype)
-        if dtype == self.dtype and not (self._gloo_in_place and self._group.size() > 1):
+        if dtype == self.dtype and not self._gloo_in_place:
             send = self.local
         else:
             # Cast (or, on gloo, copy) straight into this rank's own chunk of the global
@@ -365,9 +371,8 @@ class DBuffer:
         if self._group.size() > 1:
             with profiler_range("DBuffer::all_gather"):
                 if self._gloo_in_place:
-                    for rank in range(self._group.size()):
+                    for rank, source in enumerate(self._group_ranks):
                         chunk = buffer.narrow(0, rank * self.shard_size, self.shard_size)
-                        source = dist.get_global_rank(self._group, rank)
                         works.append(
                             dist.broadcast(chunk, source, group=self._group, async_op=async_op)
                         )
