@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU checks on a machine that has CUDA but no package index: runs the `gpu`-marked tests, the
-# host-overhead bench at W=8 and 64 on the fake process group (both engines), then one-rank
-# step phases (tools/step_phases.py) and a short CUDA training run of each engine, against the
-# machine's own torch (no venv, no installs).
+# host-overhead bench at W=8 and 64 on the fake process group (both engines), AdamW8bit's step
+# against fused AdamW, one-rank step phases (tools/step_phases.py) and a short CUDA training
+# run of each engine, against the machine's own torch (no venv, no installs).
 # Usage: OUT=/some/dir bash tools/gpu_checks.sh
 set -uo pipefail
 OUT=${OUT:-build/gpu}
@@ -18,6 +18,9 @@ echo "gpu tests: exit status ${PIPESTATUS[0]}"
 echo "== host overhead per step, fake process group, W=8 and 64 (ours vs FSDP2, the README table)"
 timeout 420 python3 packages/fsdp-engine/benchmarks/bench_overhead.py --device cuda \
   --out "$OUT/overhead.json" 2>&1 | grep -E "^\||cases in"
+echo "== AdamW8bit (compiled: Triton) against AdamW(fused=True), one process"
+timeout 240 python3 packages/optimizers/benchmarks/bench_optimizers.py --adam-only --device cuda \
+  --out "$OUT/optimizers.json" 2>&1 | grep -E "^\||adamw8bit_"
 echo "== step phases, dense (ONE rank: ours gathers nothing there; not the engine's speed)"
 timeout 120 python3 tools/step_phases.py --device cuda 2>&1 | grep -A2 "median"
 echo "== step phases, MoE 16 experts"

@@ -12,7 +12,7 @@ three ways, alternating in one run:
   runs Newton-Schulz on all of them, then keeps its piece.
 AdamW8bit runs against torch.optim.AdamW (foreach) on all parameters. Reported per W: the
 slowest rank's median step, FLOPs makespan of the owner plans, bytes each rank sends per step,
-and state bytes. First, in this process: AdamW8bit's step (compiled and eager) against foreach
+and state bytes. First, in this process: AdamW8bit's step (native, compiled, eager) against foreach
 AdamW on plain matrices, one thread, with the compile time (the first step) apart
 (`--adam-only` for just that), and Muon's host cost on an MoE's expert matrices, batched
 against one matrix at a time (`--experts-only` for just that). Writes build/bench/optimizers.json.
@@ -268,29 +268,36 @@ def _preset_plans(presets: list[str], worlds: list[int]) -> list[dict[str, Any]]
     return rows
 
 
-def _alternating_ms(steps: dict[Any, Any], rounds: int) -> dict[Any, float]:
+def _alternating_ms(
+    steps: dict[Any, Any], rounds: int, sync: Any = lambda: None
+) -> dict[Any, float]:
     """Median ms of each step function, the functions taking turns for `rounds` rounds."""
     times: dict[Any, list[float]] = {key: [] for key in steps}
     for _ in range(rounds):
         for key, step in steps.items():
+            sync()
             start = time.perf_counter()
             step()
+            sync()
             times[key].append(time.perf_counter() - start)
     return {key: statistics.median(t) * 1e3 for key, t in times.items()}
 
 
 def _one_process_adamw(args: argparse.Namespace) -> dict[str, Any]:
-    """AdamW8bit (compiled and eager) against torch's foreach AdamW: one process, one thread,
-    plain matrices (half 1024 x 1024, half 1024 x 2816), fixed gradients, steps alternating."""
+    """AdamW8bit (native, compiled and eager) against torch's foreach AdamW: one process, one
+    thread, plain matrices (half 1024 x 1024, half 1024 x 2816), fixed gradients, steps
+    alternating."""
     from ragged_optimizers import AdamW8bit
 
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
     torch.set_num_threads(1)
     shapes = [(1024, 1024)] * (args.adam_matrices // 2) + [(1024, 2816)] * (
         args.adam_matrices - args.adam_matrices // 2
     )
     gen = torch.Generator().manual_seed(0)
-    base = [torch.randn(s, generator=gen) * 0.02 for s in shapes]
-    grads = [torch.randn(s, generator=gen) * 1e-3 for s in shapes]
+    base = [torch.randn(s, generator=gen).mul_(0.02).to(device) for s in shapes]
+    grads = [torch.randn(s, generator=gen).mul_(1e-3).to(device) for s in shapes]
 
     def params() -> list[torch.nn.Parameter]:
         out = [torch.nn.Parameter(b.clone()) for b in base]
@@ -298,37 +305,45 @@ def _one_process_adamw(args: argparse.Namespace) -> dict[str, Any]:
             p.grad = g.clone()
         return out
 
-    opts: dict[str, Any] = {
-        "adamw8bit_compiled": AdamW8bit(params(), fused=True),
-        "adamw8bit_eager": AdamW8bit(params(), fused=False),
-        "adamw_foreach": torch.optim.AdamW(params(), foreach=True),
-    }
+    opts: dict[str, Any] = {}
+    if not cuda:
+        opts["adamw8bit_native"] = AdamW8bit(params(), fused="native")
+    opts["adamw8bit_compiled"] = AdamW8bit(params(), fused="compiled")
+    opts["adamw8bit_eager"] = AdamW8bit(params(), fused=False)
+    opts["adamw_foreach"] = torch.optim.AdamW(params(), foreach=True)
+    if cuda:
+        opts["adamw_fused"] = torch.optim.AdamW(params(), fused=True)
+    sync = torch.cuda.synchronize if cuda else lambda: None
     first: dict[str, float] = {}
-    for name, opt in opts.items():  # the compiled one compiles here
+    for name, opt in opts.items():  # the fused ones build here
         start = time.perf_counter()
         opt.step()
+        sync()
         first[name] = time.perf_counter() - start
-    ms = _alternating_ms({name: opt.step for name, opt in opts.items()}, args.adam_steps)
-    path = opts["adamw8bit_compiled"].kernel_paths["cpu"]
+    ms = _alternating_ms({name: opt.step for name, opt in opts.items()}, args.adam_steps, sync)
+    baseline = "adamw_fused" if cuda else "adamw_foreach"
+    paths = {
+        name: opts[name].kernel_paths[device.type] for name in opts if name.startswith("adamw8")
+    }
     result = {
+        "device": device.type,
+        "baseline": baseline,
         "num_params": sum(math.prod(s) for s in shapes),
         "step_ms": ms,
         "first_step_s": first,
-        "compile_s": path.compile_seconds,
-        "path": str(path),
+        "compile_s": {name: path.compile_seconds for name, path in paths.items()},
+        "path": {name: str(path) for name, path in paths.items()},
     }
     print(
-        f"\nAdamW8bit, one process, one thread, {args.adam_matrices} matrices "
+        f"\nAdamW8bit, one process, one thread, {device.type}, {args.adam_matrices} matrices "
         f"({result['num_params'] / 1e6:.1f}M parameters), median of {args.adam_steps} steps"
     )
-    print("| optimizer | step ms | / foreach AdamW | first step s |")
+    print(f"| optimizer | step ms | / {baseline} | first step s |")
     print("| --- | --- | --- | --- |")
     for name in opts:
-        print(
-            f"| {name} | {ms[name]:.0f} | {ms[name] / ms['adamw_foreach']:.2f} | "
-            f"{first[name]:.1f} |"
-        )
-    print(f"compiled path: {path}")
+        print(f"| {name} | {ms[name]:.1f} | {ms[name] / ms[baseline]:.2f} | {first[name]:.1f} |")
+    for name, path in paths.items():
+        print(f"{name}: {path}")
     return result
 
 
@@ -405,6 +420,7 @@ def main() -> None:
     parser.add_argument("--adam-matrices", type=int, default=24)
     parser.add_argument("--adam-steps", type=int, default=5)
     parser.add_argument("--adam-only", action="store_true", help="only the one-process AdamW")
+    parser.add_argument("--device", default="cpu", help="the one-process AdamW's device")
     parser.add_argument("--muon-steps", type=int, default=5)
     parser.add_argument("--experts-only", action="store_true", help="only Muon on MoE experts")
     args = parser.parse_args()

@@ -21,7 +21,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate
 from torch.optim import Optimizer
 
 from ragged_optimizers._adamw import adamw_step, check_betas, check_nonnegative
-from ragged_optimizers._blockwise import BlockwiseKernel, KernelPath, step_scalars
+from ragged_optimizers._blockwise import BlockwiseKernel, Fused, KernelPath, step_scalars
 from ragged_optimizers._closure import closure_loss
 from ragged_optimizers._layout import Layout, layout_of, local_flat
 from ragged_placement import RaggedShard
@@ -53,10 +53,12 @@ class AdamW8bit(Optimizer):
         weight_decay: Decoupled weight decay (p *= 1 - lr * weight_decay).
         block_size: (rows, cols) of a quantization block.
         min_8bit_numel: 2-D parameters with fewer elements (global count) keep fp32 state.
-        fused: How the 8-bit update runs. None (default): one torch.compile'd pass per
-            parameter (inductor: C++ on CPU, Triton on CUDA), falling back to eager ops with
-            a warning if the compiler fails; True: compiled or an error; False: eager ops.
-            Both give the same bits on CPU; `kernel_paths` says which ran.
+        fused: How the 8-bit update runs. None (default): one fused pass per parameter,
+            on CPU a C++ kernel built on first use ("native"), elsewhere torch.compile's
+            ("compiled": Triton on CUDA), falling back to eager ops with a warning if
+            neither builds; True: the same, but an error instead of eager; "native" or
+            "compiled": that one or an error; False: eager ops. All give the same bits;
+            `kernel_paths` says which ran.
 
     Example:
         >>> layer = torch.nn.Linear(128, 64)
@@ -77,7 +79,7 @@ class AdamW8bit(Optimizer):
         block_size: tuple[int, int] = (32, 32),
         min_8bit_numel: int = 4096,
         *,
-        fused: bool | None = None,
+        fused: Fused = None,
     ) -> None:
         self._kernel = BlockwiseKernel(fused)
         if isinstance(min_8bit_numel, bool) or not isinstance(min_8bit_numel, int):

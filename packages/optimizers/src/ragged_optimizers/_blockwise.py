@@ -1,32 +1,37 @@
-"""AdamW8bit's update of one rank's blocks as one function, compiled into one pass or run eagerly.
+"""AdamW8bit's update of one rank's blocks: one function, run fused or op by op.
 
 `blockwise_adamw` reads the parameter, its gradient and both moments' codes and block scales,
 and writes them back: dequantize, the AdamW update in float32, the new block absmax, and the
-nearest codes. Under torch.compile (inductor: C++ on CPU, Triton on CUDA) that is a few fused
-loops over the blocks with no full-size float32 moment tensors kept beyond them; eagerly it is
-the same arithmetic op by op. Every step is one IEEE operation written out (no lerp, addcmul or
-addcdiv, whose CPU kernels may contract into FMAs depending on the CPU), and the square root is
-correctly rounded on both paths (ATen's CPU sqrt is not, so eagerly it runs in float64 and
-rounds), which makes the two paths give the same bits on CPU and each element's result
-independent of where it sits in the tensor, so of how the tensor is sharded.
+nearest codes. Three implementations give the same bits:
+- native (CPU): `_adamw8bit_cpu.cpp`, one pass per block with the block's new moments in L1;
+- compiled: `update_blocks` under torch.compile (Triton on CUDA; on CPU inductor's C++, three
+  loop nests with the new moments in full-size float32 buffers between them);
+- eager: the same arithmetic op by op.
+Every step is one IEEE operation written out (no lerp, addcmul or addcdiv, whose CPU kernels
+may contract into FMAs depending on the CPU), and the square root is correctly rounded on
+every path (ATen's CPU sqrt is not, so eagerly it runs in float64 and rounds), which makes
+the paths agree bit for bit on CPU and each element's result independent of where it sits in
+the tensor, so of how the tensor is sharded.
 
-`BlockwiseKernel` decides once per device type which path runs: compiled unless the caller
-said otherwise or the compiler cannot build it (no C++ compiler, no Triton, a Python that
-Dynamo does not support), in which case it says why and runs eagerly.
+`BlockwiseKernel` decides once per device type which path runs: the fastest that builds
+(native on CPU, compiled elsewhere) unless the caller said eager; when none builds (no C++
+compiler, no Triton, a Python that Dynamo does not support) it says why and runs eagerly.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from ragged_optimizers._compat import compile_options, mark_dims_dynamic
+from ragged_optimizers._native import CpuKernel, NativeKernelError, load_cpu_kernel
 from ragged_optimizers._quantize import (
     blocked,
     device_tables,
@@ -38,6 +43,7 @@ from ragged_optimizers._quantize import (
 logger = logging.getLogger(__name__)
 
 Tables = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+Fused = bool | Literal["native", "compiled"] | None
 
 # The float32 scalars of one step, in this order (computed in float64 by `step_scalars`).
 _DECAY, _WEIGHT1, _BETA2, _WEIGHT2, _BIAS2_SQRT, _EPS, _NEG_STEP_SIZE = range(7)
@@ -239,28 +245,37 @@ class KernelPath:
 
     Attributes:
         device_type: "cpu", "cuda", ...
-        compiled: True for the torch.compile'd pass, False for the eager ops.
-        reason: Why eager (empty when compiled).
-        compile_seconds: Wall time of the first compiled call (compilation included).
+        kind: "native" (the C++ kernel, CPU), "compiled" (torch.compile's pass) or "eager".
+        reason: Why not native (CPU) or not compiled (other devices); empty when it ran the
+            fastest path there is.
+        compile_seconds: Wall time of building the kernel (the first compiled call, or the
+            C++ build; near 0 when the C++ kernel came from its cache).
     """
 
     device_type: str
-    compiled: bool
+    kind: Literal["native", "compiled", "eager"]
     reason: str = ""
     compile_seconds: float = 0.0
 
     def __str__(self) -> str:
-        if self.compiled:
-            return f"compiled ({self.device_type}, first call {self.compile_seconds:.1f} s)"
+        why = f"; {self.reason}" if self.reason else ""
+        if self.kind == "native":
+            return f"native ({self.device_type}, built in {self.compile_seconds:.1f} s)"
+        if self.kind == "compiled":
+            return f"compiled ({self.device_type}, first call {self.compile_seconds:.1f} s{why})"
         return f"eager ({self.device_type}: {self.reason})"
 
 
 class BlockwiseKernel:
-    """Runs `blockwise_adamw` compiled where possible, eagerly otherwise; records which.
+    """Runs `blockwise_adamw` by the fastest implementation that works; records which.
+
+    On CPU that is the C++ kernel (`_native.py`), then torch.compile's pass; on other devices
+    torch.compile's pass (Triton on CUDA). All give the eager ops' bits.
 
     Args:
-        fused: True: compile, and raise if that fails; False: eager; None: compile, and fall
-            back to eager (with a warning naming the reason) if the compiler fails.
+        fused: None: the fastest that builds, falling back to eager with a warning naming
+            the reason; True: the fastest that builds, or an error; "native" or "compiled":
+            that one, or an error; False: eager.
 
     Example:
         >>> kernel = BlockwiseKernel(fused=False)
@@ -273,12 +288,16 @@ class BlockwiseKernel:
         'eager (cpu: fused=False)'
     """
 
-    def __init__(self, fused: bool | None = None) -> None:
-        if fused is not None and not isinstance(fused, bool):
-            raise ValueError(f"fused must be True, False or None, got {fused!r}")
+    def __init__(self, fused: Fused = None) -> None:
+        named = isinstance(fused, str) and fused in ("native", "compiled")
+        if not (fused is None or isinstance(fused, bool) or named):
+            raise ValueError(
+                f"fused must be None, True, False, 'native' or 'compiled', got {fused!r}"
+            )
         self.fused = fused
         self.paths: dict[str, KernelPath] = {}
         self._compiled_update: Callable[..., None] | None = None
+        self._cpu_kernel: CpuKernel | None = None
 
     def __call__(
         self,
@@ -296,14 +315,42 @@ class BlockwiseKernel:
         args: _Args = (param, grad, *moments, scalars, tables)
         device_type = param.device.type
         path = self.paths.get(device_type)
-        if path is not None:
-            blockwise_adamw(*args, block, self._compiled if path.compiled else update_blocks)
-            return
+        if path is None:
+            path = self.paths[device_type] = self._first_call(device_type, args, block)
+        elif path.kind == "native":
+            assert self._cpu_kernel is not None
+            self._cpu_kernel(*args, block)
+        else:
+            update = self._compiled if path.kind == "compiled" else update_blocks
+            blockwise_adamw(*args, block, update)
+
+    def _first_call(self, device_type: str, args: _Args, block: tuple[int, int]) -> KernelPath:
+        """Runs the first update on a device type by the best path that works; says which."""
         if self.fused is False:
-            self.paths[device_type] = KernelPath(device_type, False, "fused=False")
             blockwise_adamw(*args, block)
-            return
-        self.paths[device_type] = self._first_compiled_call(device_type, args, block)
+            return KernelPath(device_type, "eager", "fused=False")
+        if self.fused == "native" and device_type != "cpu":
+            raise RuntimeError(
+                f"AdamW8bit(fused='native') is the CPU kernel; for {device_type} parameters "
+                f"use fused=None, True or 'compiled'"
+            )
+        not_native = ""
+        if device_type == "cpu" and self.fused != "compiled":
+            try:
+                self._cpu_kernel = load_cpu_kernel()
+            except NativeKernelError as error:
+                if self.fused == "native":
+                    raise RuntimeError(f"AdamW8bit(fused='native'): {error}") from error
+                not_native = f"C++ kernel unavailable: {error}"
+                logger.warning("AdamW8bit: %s; trying torch.compile", not_native)
+            else:
+                self._cpu_kernel(*args, block)
+                return KernelPath(device_type, "native", "", self._cpu_kernel.build_seconds)
+        path = self._first_compiled_call(device_type, args, block)
+        if not_native:
+            reason = f"{not_native}; {path.reason}" if path.reason else not_native
+            path = dataclasses.replace(path, reason=reason)
+        return path
 
     def _compiled(self, *args: Any) -> None:
         if self._compiled_update is None:
@@ -325,13 +372,13 @@ class BlockwiseKernel:
         except torch.OutOfMemoryError:
             raise  # not a compiler failure, and the graph may have written part of its output
         except Exception as error:  # any compiler failure means: run eagerly
-            if self.fused:
+            if self.fused is not None:
                 raise RuntimeError(
-                    f"AdamW8bit(fused=True): torch.compile could not build the blockwise "
+                    f"AdamW8bit(fused={self.fused!r}): torch.compile could not build the blockwise "
                     f"update on {device_type}: {type(error).__name__}: {error}"
                 ) from error
             reason = f"torch.compile failed: {type(error).__name__}: {str(error)[:200]}"
             logger.warning("AdamW8bit runs its update eagerly on %s (%s)", device_type, reason)
             blockwise_adamw(*args, block)
-            return KernelPath(device_type, False, reason)
-        return KernelPath(device_type, True, compile_seconds=time.perf_counter() - start)
+            return KernelPath(device_type, "eager", reason)
+        return KernelPath(device_type, "compiled", compile_seconds=time.perf_counter() - start)
