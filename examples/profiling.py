@@ -104,6 +104,7 @@ _COPY_OPS = (
     "aten::_to_copy",
     "fsdp::split_with_sizes_copy",
     "fsdp::chunk_cat",
+    "fsdp::chunk_cat_mixed_dtype",
     "fsdp::all_gather_copy_in",
 )
 

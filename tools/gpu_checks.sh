@@ -7,7 +7,7 @@
 set -uo pipefail
 OUT=${OUT:-build/gpu}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 RAGGED_PLACEMENT_ALLOW_UNTESTED_TORCH=1
+export PYTHONUNBUFFERED=1
 src=""
 for p in ragged-placement shard-planner dbuffer fsdp-engine optimizers; do src="$src:packages/$p/src"; done
 export PYTHONPATH="${src#:}:examples"

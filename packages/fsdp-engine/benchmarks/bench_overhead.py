@@ -99,7 +99,11 @@ def _build(case: Case, engine: str, dtype: str, mesh: Any, device: str) -> tuple
         if case.cfg.num_experts:
             # Unused experts: FSDP2 needs this to keep its reduce-scatters the same size on
             # every rank; it then reduces zeros for them. Ours reduces what was used.
-            model.set_reduce_scatter_unused_params(engine == "fsdp2")  # type: ignore[operator]
+            # (FSDP2 before torch 2.13 lacks the setter; the fake group's collectives are
+            # no-ops, so there is nothing to keep the same size.)
+            set_unused = getattr(model, "set_reduce_scatter_unused_params", None)
+            if set_unused is not None:
+                set_unused(engine == "fsdp2")
     elif dtype == "bf16":
         model = model.to(torch.bfloat16)  # the plain reference computes in the same dtype
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)

@@ -1,5 +1,6 @@
 """The torch hooks: version guard, installation and redirection, on the torch version under test."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -21,7 +22,8 @@ def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
         capture_output=True,
         text=True,
         timeout=120,
-        env={**__import__("os").environ, **env},
+        # The override comes only from `env`: a caller's own setting would mask the refusal.
+        env={**{k: v for k, v in os.environ.items() if k != _compat.ALLOW_UNTESTED_TORCH}, **env},
     )
 
 
@@ -86,7 +88,7 @@ def test_unsupported_version_is_refused_at_import_unless_allowed() -> None:
     refused = _python(code)
     assert refused.returncode != 0
     assert (
-        "ImportError: ragged_placement supports torch 2.13, 2.14; found torch 2.99.0; "
+        "ImportError: ragged_placement supports torch 2.10 to 2.15; found torch 2.99.0; "
         "set RAGGED_PLACEMENT_ALLOW_UNTESTED_TORCH=1 to try it anyway" in refused.stderr
     ), refused.stderr
     allowed = _python(code, RAGGED_PLACEMENT_ALLOW_UNTESTED_TORCH="1")

@@ -288,6 +288,31 @@ class FSDPModule(ApplyOverride):
             "DBuffer runs its collectives on the mesh's process groups",
         )
 
+    # torch 2.15's additions; the engine has neither mode yet.
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """Not supported: a reshard frees the group's unsharded DBuffer storage."""
+        raise _not_supported(
+            "set_keep_unsharded_storage",
+            "a reshard frees the group's unsharded DBuffer; a mode that keeps it (for CUDA "
+            "graph capture) is not implemented",
+        )
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """Not supported: the engine finalizes backward in its own end-of-backward callback."""
+        raise _not_supported(
+            "set_manual_backward_finalization",
+            "backward is finalized by the callback the root queues on autograd's engine; "
+            "deferring it to finalize_backward() is not implemented (use "
+            "set_is_last_backward(False) to defer the reduces instead)",
+        )
+
+    def finalize_backward(self, *, async_op: bool = False) -> None:
+        """Not supported: see set_manual_backward_finalization."""
+        raise _not_supported(
+            "finalize_backward",
+            "manual backward finalization is not implemented; backward finalizes itself",
+        )
+
     # -- nn.Module integration ----------------------------------------------------------------
 
     def _fsdp_convert(self, fn: Callable[[torch.Tensor], torch.Tensor], apply: Any) -> Any:

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ragged_placement._compat import async_all_gather, async_all_to_all
+from ragged_placement._compat import all_gather_single, async_all_gather, async_all_to_all
 
 Ranges = Sequence[tuple[int, int]]
 
@@ -62,7 +62,7 @@ def gather_pieces(
         # Equal pieces: one all-gather straight into the output, still exact and copy-free.
         if async_op:
             return async_all_gather(local.reshape(-1).contiguous(), group)
-        dist.all_gather_single(out, local.reshape(-1).contiguous(), group=group)
+        all_gather_single(out, local.reshape(-1).contiguous(), group=group)
         return out
     start, end = ranges[rank]
     out[start:end].copy_(local.reshape(-1))

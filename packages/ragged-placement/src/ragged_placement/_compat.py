@@ -28,7 +28,9 @@ at each call:
   before anything else: elementwise `_foreach_*` ops get a handler that runs RaggedShard lists
   on their local tensors (`_foreach.py`) and hands every other call back to the dispatcher
   with the handler lifted for that call (`dispatch_without_handler`).
-Tested on torch 2.13 and 2.14 (`nox -s tests`); other versions are refused at import with a
+Supported: torch 2.10 to 2.15 (`nox -s tests` runs 2.10, 2.13 and 2.15; `tests-all` every
+minor). Where they differ, the choice is made once at import by feature (does the name exist),
+not by version compares. Other versions are refused at import with a
 clear error rather than risking silent misbehaviour (`check_torch_version`, which dbuffer and
 fsdp_engine call too). A torch internal missing at install is an ImportError naming the version.
 """
@@ -72,6 +74,7 @@ __all__ = [
     "OutputSharding",
     "TensorMeta",
     "WeightedMeanPartial",
+    "all_gather_single",
     "async_all_gather",
     "async_all_to_all",
     "check_torch_version",
@@ -89,7 +92,7 @@ __all__ = [
     "torch_version",
 ]
 
-SUPPORTED_TORCH = ((2, 13), (2, 14))
+SUPPORTED_TORCH = tuple((2, minor) for minor in range(10, 16))  # 2.10 to 2.15
 ALLOW_UNTESTED_TORCH = "RAGGED_PLACEMENT_ALLOW_UNTESTED_TORCH"
 
 
@@ -112,13 +115,14 @@ def check_torch_version(package: str = "ragged_placement") -> None:
 
     Example:
         >>> from ragged_placement import check_torch_version
-        >>> check_torch_version("my_package")  # on torch 2.13 or 2.14: returns None
+        >>> check_torch_version("my_package")  # on torch 2.10 to 2.15: returns None
     """
     if not isinstance(package, str):
         raise TypeError(f"check_torch_version takes the package name, got {package!r}")
     if torch_version() in SUPPORTED_TORCH:
         return
-    supported = ", ".join(f"{a}.{b}" for a, b in SUPPORTED_TORCH)
+    (first_major, first_minor), (last_major, last_minor) = SUPPORTED_TORCH[0], SUPPORTED_TORCH[-1]
+    supported = f"{first_major}.{first_minor} to {last_major}.{last_minor}"
     message = f"{package} supports torch {supported}; found torch {torch.__version__}"
     if os.environ.get(ALLOW_UNTESTED_TORCH) == "1":
         warnings.warn(f"{message} (allowed by {ALLOW_UNTESTED_TORCH}=1)", stacklevel=2)
@@ -203,9 +207,16 @@ def process_group_from_op_arg(value: Any) -> dist.ProcessGroup | None:
     return resolved
 
 
+# torch 2.13 renamed the tensor collectives (`all_gather_into_tensor` -> `all_gather_single`,
+# and funcol's `all_gather_tensor` likewise) and deprecates the old names: the new one where
+# it exists, else the old.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_funcol_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
+
 def async_all_gather(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """All-gather of equal flat pieces that completes lazily (AsyncCollectiveTensor)."""
-    out: torch.Tensor = funcol.all_gather_single(local, 0, group)
+    out: torch.Tensor = _funcol_all_gather(local, 0, group)
     return out
 
 
@@ -431,6 +442,10 @@ def _let_gloo_release_work() -> None:
 
 
 def _gloo_threads_alive() -> bool:
+    # A live process group may own worker threads; torch 2.10's gloo does not name its
+    # threads, so the name check alone finds them only on 2.11 and later.
+    if dist.is_available() and dist.is_initialized():
+        return True
     try:
         names = [task.joinpath("comm").read_text() for task in Path("/proc/self/task").iterdir()]
     except OSError:  # not Linux: assume they may be
