@@ -125,4 +125,4 @@ def test_every_fsdp2_module_method_exists() -> None:
 
     public = [name for name in vars(TorchFSDPModule) if not name.startswith("_")]
     missing = [name for name in public if not hasattr(fsdp_engine.FSDPModule, name)]
-    assert len(public) >= 20 and not missing, missing
+    assert len(public) >= 15 and not missing, missing  # 18 on torch 2.10-2.12, 26 on 2.15
