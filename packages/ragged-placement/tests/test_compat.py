@@ -158,7 +158,8 @@ def test_exit_waits_for_gloo_worker_threads(tmp_path) -> None:
         import time
         import torch.distributed as dist
         from ragged_placement import _compat
-        assert not _compat._gloo_threads_alive()
+        # (torch 2.10 leaves gloo's threads unnamed: there the handler always waits.)
+        assert _compat._gloo_threads_alive() != _compat._GLOO_NAMES_ITS_THREADS
         dist.init_process_group("gloo", init_method="file://{tmp_path}/rdv", rank=0, world_size=1)
         # The worker threads name themselves some time after they start: wait for it.
         deadline = time.monotonic() + 30

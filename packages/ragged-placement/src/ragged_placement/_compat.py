@@ -441,11 +441,17 @@ def _let_gloo_release_work() -> None:
         time.sleep(0.1)
 
 
+# torch 2.10's gloo leaves its worker threads unnamed (they inherit "python"), so nothing
+# tells them from other threads there: the exit handler then always waits (0.1 s). The one
+# version compare in this module, since only a running gloo group could show the feature.
+_GLOO_NAMES_ITS_THREADS = torch_version() >= (2, 11)
+
+
 def _gloo_threads_alive() -> bool:
-    # A live process group may own worker threads; torch 2.10's gloo does not name its
-    # threads, so the name check alone finds them only on 2.11 and later.
     if dist.is_available() and dist.is_initialized():
-        return True
+        return True  # a live process group may own worker threads
+    if not _GLOO_NAMES_ITS_THREADS:
+        return dist.is_available()
     try:
         names = [task.joinpath("comm").read_text() for task in Path("/proc/self/task").iterdir()]
     except OSError:  # not Linux: assume they may be
