@@ -37,8 +37,9 @@ TORCH_GPU = "2.14.1"  # the CUDA build stored on these machines
 # torch lifts it for its own installs (an empty constraints file replaces the machine's).
 TORCH_CAP = (2, 14)
 TEST_DEPS = ["pytest>=8", "hypothesis>=6.100"]
-# DCP needs numpy; examples/train.py tqdm; the engine's tests build transformers models.
-TORCH_TEST_DEPS = [*TEST_DEPS, "numpy", "tqdm", "transformers>=5.17,<5.19"]
+# DCP needs numpy; examples/train.py tqdm; the engine's tests build transformers models
+# and torch's DTensor test Transformer (whose module imports expecttest).
+TORCH_TEST_DEPS = [*TEST_DEPS, "numpy", "tqdm", "transformers>=5.17,<5.19", "expecttest"]
 
 nox.options.sessions = ["lint", "typecheck", "planner", "build", "tests"]
 

@@ -800,3 +800,76 @@ def check_release_grad() -> None:
     buf.release_grad()
     buf.zero_grad()  # nothing allocated: nothing to zero, and nothing is made
     assert not buf.has_local_grad
+
+
+def check_dtensor_entries(shape: tuple[int, int]) -> None:
+    """DTensors sharded over another axis (tp): the DBuffer shards their local pieces over dp.
+
+    Every sharded view is a DTensor over (dp, tp) whose full tensor is the global one;
+    unshard gathers the local piece; reduce-scatter averages the pieces' gradients over dp.
+    """
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+    dp, tp = mesh["dp"], mesh["tp"]
+    gen = torch.Generator().manual_seed(9)
+    full = {
+        "col": torch.randn(12, 5, generator=gen),  # Shard(0) on tp: rows split
+        "row": torch.randn(7, 12, generator=gen),  # Shard(1) on tp: columns split
+        "norm": torch.randn(12, generator=gen),  # Replicate on tp
+        "plain": torch.randn(3, 4, generator=gen),  # not a DTensor: over dp alone
+    }
+    placements = {"col": [Shard(0)], "row": [Shard(1)], "norm": [Replicate()]}
+    tensors: list[tuple[str, torch.Tensor]] = [
+        (name, distribute_tensor(t, tp, placements[name]) if name in placements else t)
+        for name, t in full.items()
+    ]
+    buf = DBuffer(tensors, dp, block_rows={"col": 2})
+    for name, t in full.items():
+        sharded = buf.sharded(name)
+        assert torch.equal(sharded.full_tensor(), t), name
+        if name in placements:
+            assert sharded.device_mesh.mesh_dim_names == ("dp", "tp"), name
+            assert tuple(sharded.placements[1:]) == tuple(placements[name]), name
+            assert isinstance(sharded.placements[0], RaggedShard) or t.numel() == 0
+        else:
+            assert sharded.device_mesh.mesh_dim_names == ("dp",), name
+    # Rows of "col" (6 per tp rank): pieces keep blocks of 2 rows of the local piece.
+    lo, hi = flat_range(buf.sharded("col"))
+    assert lo % 10 == 0 and hi % 10 == 0, (lo, hi)
+    buf.unshard().wait()
+    local = dict(tensors)
+    for name in full:
+        piece = local[name].to_local() if name in placements else local[name]  # type: ignore[attr-defined]
+        assert torch.equal(buf.full(name), piece), name
+    buf.reshard()
+    # Gradients of the local pieces, different on every rank: averaged over dp only.
+    dp_rank, tp_rank = mesh.get_local_rank(0), mesh.get_local_rank(1)
+    for name in full:
+        buf.full_grad(name).fill_(float(dp_rank + 1) * (tp_rank + 1))
+    buf.reduce_scatter(op="avg").wait()
+    mean_over_dp = (shape[0] + 1) / 2
+    for name in full:
+        grad = buf.sharded_grad(name)
+        expected = torch.full_like(grad.to_local(), mean_over_dp * (tp_rank + 1))
+        assert torch.equal(grad.to_local(), expected), name
+        assert grad.placements == buf.sharded(name).placements, name
+
+
+def check_dtensor_entry_errors() -> None:
+    """Bad DTensor entries: each error names the tensor and what would be valid."""
+    from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    dp, tp = mesh["dp"], mesh["tp"]
+    uneven = distribute_tensor(torch.zeros(5, 3), tp, [Shard(0)])
+    expect_error(ValueError, lambda: DBuffer([("u", uneven)], dp), "uneven pieces")
+    partial = DTensor.from_local(torch.zeros(4, 3), tp, [Partial()])
+    expect_error(ValueError, lambda: DBuffer([("p", partial)], dp), "Partial")
+    even = distribute_tensor(torch.zeros(6, 3), tp, [Shard(0)])
+    expect_error(ValueError, lambda: DBuffer([("e", even)], tp), "not disjoint axes")
+    unnamed = init_device_mesh("cpu", (world,))
+    expect_error(ValueError, lambda: DBuffer([("e", even)], unnamed), "named axes")
+    expect_error(ValueError, lambda: DBuffer([("e", even)], dp, block_rows=2), "valid: [1, 3]")
+    DBuffer([("e", even)], dp, block_rows=3)  # divides the 3 local rows: fine

@@ -107,3 +107,9 @@ def test_backward_after_reshard_and_unshard(pools, world) -> None:
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_release_grad(pools, world) -> None:
     pools[world].run(cases.check_release_grad)
+
+
+@pytest.mark.parametrize(("world", "shape"), [(2, (1, 2)), (4, (2, 2))])
+def test_dtensor_entries_shard_their_local_pieces(pools, world, shape) -> None:
+    pools[world].run(cases.check_dtensor_entries, shape)
+    pools[world].run(cases.check_dtensor_entry_errors)

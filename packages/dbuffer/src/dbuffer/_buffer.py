@@ -51,6 +51,7 @@ from dbuffer._compat import all_gather_single, profiler_range, reduce_scatter_si
 from dbuffer._freeable import FreeableBuffer, check_freed_default
 from dbuffer._grad_buffer import FullGradBuffer
 from dbuffer._handle import Handle
+from dbuffer._outer import OuterSpec, check_rows_within_piece, outer_spec
 from dbuffer._streams import current_stream, free_storage, record_event
 from ragged_placement import RaggedShard, with_locals
 from shard_planner import Layout, TensorSpec, plan_layout
@@ -95,8 +96,12 @@ class DBuffer:
 
     Args:
         tensors: (name, tensor) pairs, contiguous, one dtype and one device; their values are
-            copied into the local shard once, at construction.
-        mesh: The device mesh.
+            copied into the local shard once, at construction. A tensor may be a DTensor
+            sharded over other axes of the same device mesh (tensor or expert parallel, with
+            Shard(d) dividing dim d evenly, or Replicate): its local piece is what this buffer
+            holds (`full`, gradients and `copy_` have the piece's shape), and `sharded(name)`
+            is a DTensor over `mesh`'s axes followed by the tensor's (`_outer.py`).
+        mesh: The device mesh (with named axes when a tensor is a DTensor).
         shard_dim: Mesh axis the buffer is sharded over.
         replicate_dim: Mesh axis it is replicated over (HSDP), or None.
         block_rows: Rows per unshardable block: one int for all, a mapping by name (missing
@@ -129,6 +134,13 @@ class DBuffer:
         check_freed: bool | None = None,
     ) -> None:
         tensors = list(tensors)
+        # DTensor entries (sharded over other axes): the local piece is what gets planned.
+        self._outer: dict[str, OuterSpec] = {}
+        for index, (name, t) in enumerate(tensors):
+            if isinstance(t, DTensor):
+                self._outer[name] = outer_spec(name, t, mesh)
+                with torch.no_grad():
+                    tensors[index] = (name, t.to_local())
         check_tensors(tensors)
         if check_freed is not None and not isinstance(check_freed, bool):
             raise TypeError(f"check_freed must be a bool or None, got {check_freed!r}")
@@ -151,6 +163,10 @@ class DBuffer:
             )
             for name, t in tensors
         ]
+        for name, outer in self._outer.items():
+            shape = self._shapes[name]
+            rows = rows_of(block_rows, name, shape)  # already checked by TensorSpec above
+            check_rows_within_piece(name, outer, shape[0] if shape else 1, rows)
         align = check_align_bytes(align_bytes, first.element_size())
         self.layout = layout if layout is not None else plan_layout(specs, world, align=align)
         check_layout(self.layout, specs, world)
@@ -213,13 +229,14 @@ class DBuffer:
     # -- sharded views ------------------------------------------------------------------------
 
     def _placements(self, name: str) -> list[Placement]:
-        shape = self._shapes[name]
-        unit = self.layout.unit(name)
-        row = math.prod(shape[1:])
-        # Cut whole rows when every unit is whole rows; otherwise allow cuts anywhere.
-        dims = (0,) if len(shape) <= 1 or unit % row == 0 else tuple(range(len(shape)))
         placements: list[Placement] = [Replicate()] * self.mesh.ndim
-        placements[self.shard_dim] = RaggedShard(dims, self.layout.local_units(name))
+        shape = self._shapes[name]
+        if self.layout.spec(name).numel:  # else nothing to shard: replicated (empty) pieces
+            unit = self.layout.unit(name)
+            row = math.prod(shape[1:])
+            # Cut whole rows when every unit is whole rows; otherwise allow cuts anywhere.
+            dims = (0,) if len(shape) <= 1 or unit % row == 0 else tuple(range(len(shape)))
+            placements[self.shard_dim] = RaggedShard(dims, self.layout.local_units(name))
         return placements
 
     def _piece(self, name: str, storage: torch.Tensor) -> torch.Tensor:
@@ -239,8 +256,14 @@ class DBuffer:
 
     def _make_sharded(self, name: str, storage: torch.Tensor) -> DTensor:
         piece = self._piece(name, storage)
+        outer = self._outer.get(name)
+        if outer is not None:
+            placements = [*self._placements(name), *outer.placements]
+            return DTensor.from_local(
+                piece, outer.mesh, placements, shape=outer.shape, stride=outer.stride
+            )
         if self.layout.spec(name).numel == 0:  # nothing to shard: an empty replicated view
-            return DTensor.from_local(piece, self.mesh, [Replicate()] * self.mesh.ndim)
+            return DTensor.from_local(piece, self.mesh, self._placements(name))
         return DTensor.from_local(
             piece, self.mesh, self._placements(name), shape=self._shapes[name]
         )

@@ -6,7 +6,6 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from shard_planner import Layout, TensorSpec
 
@@ -51,9 +50,10 @@ def check_tensors(tensors: Sequence[tuple[str, object]]) -> None:
     seen: set[str] = set()
     first: torch.Tensor | None = None
     for name, t in tensors:
-        if not isinstance(t, torch.Tensor) or isinstance(t, DTensor):
+        if not isinstance(t, torch.Tensor):
             raise TypeError(
-                f"DBuffer tensor {name!r} must be a plain torch.Tensor, got {type(t).__name__}"
+                f"DBuffer tensor {name!r} must be a torch.Tensor or a DTensor, got "
+                f"{type(t).__name__}"
             )
         if name in seen:
             raise ValueError(f"DBuffer tensor names must be unique, {name!r} repeats")

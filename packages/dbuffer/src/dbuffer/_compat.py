@@ -16,6 +16,8 @@
   storage it aliases), its autograd `_version`, and the functions `Tensor._is_view` /
   `Tensor.data.__get__` as `__torch_function__` sees them (the debug guard of `_views.py`
   matches on them).
+- `concatenate_meshes(meshes)`: `DeviceMesh._concatenate`, the mesh made of disjoint axes of
+  one root mesh (a DTensor entry's sharded view lives on the DBuffer's axes and its own).
 - `foreach_copy_(dst, src)` / `foreach_add_(dst, src)`: `torch._foreach_copy_` /
   `torch._foreach_add_`, one dispatch for a whole list of tensors (casting as `copy_` does).
 Tested on the torch versions `ragged_placement.SUPPORTED_TORCH` names; others are refused at
@@ -29,6 +31,7 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.profiler import record_function
 
 from ragged_placement import check_torch_version
@@ -38,6 +41,7 @@ __all__ = [
     "TENSOR_IS_VIEW",
     "all_gather_single",
     "base_of",
+    "concatenate_meshes",
     "foreach_add_",
     "foreach_copy_",
     "is_view",
@@ -108,3 +112,20 @@ def storage_key(tensor: torch.Tensor) -> int:
 def version_of(tensor: torch.Tensor) -> int:
     """The autograd version counter `tensor` shares with its views."""
     return tensor._version
+
+
+def concatenate_meshes(meshes: Sequence[DeviceMesh]) -> DeviceMesh:
+    """One mesh whose axes are those of `meshes` in order (disjoint axes of one root mesh).
+
+    `DeviceMesh._concatenate` (torch 2.10 and later; what FSDP2 builds its DP x TP mesh with).
+    It reuses the axes' process groups. Raises RuntimeError for meshes of different roots or
+    overlapping axes.
+    """
+    concatenate = getattr(DeviceMesh, "_concatenate", None)
+    if concatenate is None:
+        raise RuntimeError(
+            f"this torch ({torch.__version__}) has no DeviceMesh._concatenate, needed to "
+            f"shard DTensors over another mesh axis"
+        )
+    combined: DeviceMesh = concatenate(list(meshes))
+    return combined

@@ -11,12 +11,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from dbuffer import DBuffer
 from fsdp_engine._compat import parameter_slots
 from fsdp_engine._config import GroupConfig
-from fsdp_engine._group import Location, ManagedParam, ParamGroup
+from fsdp_engine._group import Location, ManagedParam, ParallelSpec, ParamGroup
 from fsdp_engine._module import FSDPModule, state_of
 from fsdp_engine._state import STATE_ATTR, FSDPState, states_under
 
@@ -245,15 +245,19 @@ def _check_param(fqn: str, param: nn.Parameter) -> None:
             f"parameter {fqn!r} is a scalar (0-d); fully_shard shards tensors with at least "
             f"one dim: make it shape (1,)"
         )
-    if not param.is_contiguous():
-        raise ValueError(
-            f"parameter {fqn!r} is not contiguous (shape {tuple(param.shape)}, stride "
-            f"{param.stride()}); make it contiguous before fully_shard"
-        )
-    if type(param.data) is not torch.Tensor:
+    data = param.data
+    if isinstance(data, DTensor):  # tensor / expert parallel: DBuffer shards its local piece
+        with torch.no_grad():
+            data = data.to_local()
+    if type(data) is not torch.Tensor:
         raise TypeError(
-            f"parameter {fqn!r} is a {type(param.data).__name__}; fully_shard takes plain "
-            f"tensors (apply it before tensor parallelism or other DTensor wrapping)"
+            f"parameter {fqn!r} is a {type(data).__name__}; fully_shard takes plain tensors "
+            f"or DTensors over plain tensors (tensor or expert parallel)"
+        )
+    if not data.is_contiguous():
+        raise ValueError(
+            f"parameter {fqn!r} is not contiguous (shape {tuple(data.shape)}, stride "
+            f"{data.stride()}); make it contiguous before fully_shard"
         )
 
 
@@ -332,7 +336,8 @@ def _build_group(
     for param, name in found.names.items():
         buffer = buffers[param]
         sharded = nn.Parameter(buffer.sharded(name), requires_grad=param.requires_grad)
-        managed.append(ManagedParam(name, found.locations[param], buffer, sharded))
+        parallel = ParallelSpec.of(param) if isinstance(param, DTensor) else None
+        managed.append(ManagedParam(name, found.locations[param], buffer, sharded, parallel))
     group = ParamGroup(managed, mesh, mp_policy, label)
     group.originals.update(found.names)
     group.reshard()  # registers the sharded parameters

@@ -25,12 +25,50 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement
 
 from dbuffer import DBuffer, Handle
 from fsdp_engine._compat import parameter_slots, profiler_range
 from fsdp_engine._config import GroupConfig
 
 Location = tuple[nn.Module, str]
+
+
+@dataclass(frozen=True)
+class ParallelSpec:
+    """A parameter's sharding over other mesh axes (tensor or expert parallel), kept as given.
+
+    The group gathers the local piece over its data-parallel axes; forward and backward see
+    it as the DTensor the model was built with (same mesh, placements and global shape).
+    """
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+    @classmethod
+    def of(cls, param: DTensor) -> ParallelSpec:
+        return cls(param.device_mesh, tuple(param.placements), param.shape, param.stride())
+
+    def wrap(self, local: torch.Tensor) -> DTensor:
+        """`local` (this rank's piece) as the parameter's DTensor."""
+        return DTensor.from_local(
+            local, self.mesh, self.placements, shape=self.shape, stride=self.stride
+        )
+
+    def local_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of a gradient, in the parameter's placements (as FSDP2 does).
+
+        A parameter replicated over the tensor-parallel axis may get a Partial gradient
+        (e.g. a norm weight under sequence parallelism): it is reduced over that axis here.
+        """
+        if not isinstance(grad, DTensor):
+            return grad
+        if tuple(grad.placements) != self.placements:
+            grad = grad.redistribute(self.mesh, self.placements)
+        return grad.to_local()
 
 
 @dataclass(eq=False)
@@ -41,6 +79,7 @@ class ManagedParam:
     locations: list[Location]  # every (module, attribute) it is registered under (tied weights)
     buffer: DBuffer
     sharded: nn.Parameter  # data: a RaggedShard DTensor over a view of buffer.local
+    parallel: ParallelSpec | None = None  # for a DTensor parameter (TP / EP), else None
     unsharded: nn.Parameter | None = None  # made at the first unshard, then kept
     compute_dtype: torch.dtype | None = None  # the unshard dtype (mixed precision) or None
 
@@ -128,6 +167,8 @@ class ParamGroup:
             if param.unsharded is None:
                 dtype = self._compute_dtype(param.buffer)
                 full = param.buffer.full(param.name, dtype=dtype)
+                if param.parallel is not None:
+                    full = param.parallel.wrap(full)
                 param.unsharded = nn.Parameter(full, requires_grad=param.requires_grad)
                 param.compute_dtype = dtype
         for slots, attr, param in self._slots:
@@ -156,7 +197,8 @@ class ParamGroup:
             got = [(p, grad) for p, grad in pairs if grad is not None]
             if not got:
                 continue
-            buffer.accumulate_grads([p.name for p, _ in got], [grad for _, grad in got])
+            grads = [g if p.parallel is None else p.parallel.local_grad(g) for p, g in got]
+            buffer.accumulate_grads([p.name for p, _ in got], grads)
             for param, _ in got:
                 param.unsharded.grad = None  # type: ignore[union-attr]
             self._received.update([p for p, _ in got])

@@ -1,0 +1,128 @@
+"""DTensor entries: tensors already sharded over other mesh axes (tensor or expert parallel).
+
+A DBuffer shards the local piece of such a tensor over its own axes, and the sharded view is
+a DTensor over the DBuffer's axes followed by the tensor's: `(RaggedShard, Shard(1))` on a
+(dp, tp) mesh for a row-parallel weight. RaggedShard cuts the block the other placements leave
+(`ragged_placement`), which is exactly the local piece the DBuffer was given, so every
+DTensor operation (`full_tensor`, `redistribute`, checkpoints, optimizers) sees the right
+global tensor without the DBuffer knowing what the other axes mean.
+
+The local pieces of every rank of the other axes must have one shape: the DBuffer's plan
+(and so each RaggedShard's `local_units`) is computed from the shapes alone, and a placement
+has to be the same on every rank. So each `Shard(d)` must divide dim d evenly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from dbuffer._compat import concatenate_meshes
+
+
+@dataclass(frozen=True)
+class OuterSpec:
+    """How a DTensor entry's sharded view extends over the tensor's own mesh axes.
+
+    Attributes:
+        mesh: The DBuffer's mesh axes followed by the tensor's (one mesh, one root).
+        placements: The tensor's placements on its own axes.
+        shape: The tensor's global shape.
+        stride: The tensor's global (contiguous) stride.
+    """
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+
+def _names(mesh: DeviceMesh) -> str:
+    names = mesh.mesh_dim_names
+    shape = tuple(mesh.shape)
+    return f"mesh {shape} with axes {names}" if names else f"mesh {shape} without axis names"
+
+
+def outer_spec(name: str, tensor: DTensor, mesh: DeviceMesh) -> OuterSpec:
+    """Checks that DBuffer `mesh` can shard `tensor`'s local piece; returns its OuterSpec.
+
+    Raises:
+        ValueError: a placement other than Shard(d) / Replicate, a Shard(d) that does not
+            divide dim d evenly, or meshes that are not disjoint axes of one device mesh.
+    """
+    tensor_mesh = tensor.device_mesh
+    for axis, placement in enumerate(tensor.placements):
+        if type(placement) not in (Shard, Replicate):
+            raise ValueError(
+                f"DBuffer tensor {name!r} is a DTensor placed {placement!r} on axis {axis} of "
+                f"its {_names(tensor_mesh)}; only Shard(d) and Replicate() can be sharded "
+                f"further (redistribute a Partial first)"
+            )
+    shape = tensor.shape
+    splits = [1] * len(shape)
+    for axis, placement in enumerate(tensor.placements):
+        if isinstance(placement, Shard):
+            splits[placement.dim % len(shape)] *= tensor_mesh.size(axis)
+    for dim, parts in enumerate(splits):
+        if shape[dim] % parts:
+            raise ValueError(
+                f"DBuffer tensor {name!r} (shape {tuple(shape)}, placements "
+                f"{tensor.placements}) splits dim {dim} of size {shape[dim]} into {parts} "
+                f"uneven pieces; it must divide evenly, since every rank's piece gets the same "
+                f"plan (pad dim {dim} to a multiple of {parts})"
+            )
+    if tensor_mesh.device_type != mesh.device_type:
+        raise ValueError(
+            f"DBuffer tensor {name!r} is on a {tensor_mesh.device_type} mesh, the DBuffer's "
+            f"mesh is {mesh.device_type}"
+        )
+    if not mesh.mesh_dim_names or not tensor_mesh.mesh_dim_names:
+        raise ValueError(
+            f"DBuffer tensor {name!r}: its {_names(tensor_mesh)} and the DBuffer's "
+            f"{_names(mesh)} must both be named axes of one mesh (init_device_mesh(..., "
+            f"mesh_dim_names=...), then mesh['dp'] and mesh['tp'])"
+        )
+    try:
+        combined = concatenate_meshes([mesh, tensor_mesh])
+    except (RuntimeError, ValueError) as exc:
+        raise ValueError(
+            f"DBuffer tensor {name!r}: its {_names(tensor_mesh)} and the DBuffer's "
+            f"{_names(mesh)} are not disjoint axes of one device mesh ({exc}); slice both "
+            f"from the same init_device_mesh, e.g. mesh['dp'] and mesh['tp']"
+        ) from exc
+    return OuterSpec(combined, tuple(tensor.placements), shape, _contiguous(shape))
+
+
+def _contiguous(shape: torch.Size) -> tuple[int, ...]:
+    strides = []
+    step = 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def check_rows_within_piece(name: str, outer: OuterSpec, local_rows: int, block_rows: int) -> None:
+    """A block of `block_rows` rows may not straddle two ranks of another axis's Shard(0).
+
+    A DTensor entry cut by rows on another axis holds `local_rows` consecutive rows of the
+    global tensor; blocks are counted from the start of that piece, so they line up with the
+    global tensor's blocks only when they tile the piece.
+
+    Raises:
+        ValueError: `block_rows` does not divide `local_rows`.
+    """
+    if not any(isinstance(p, Shard) and p.dim == 0 for p in outer.placements):
+        return
+    if local_rows % block_rows:
+        divisors = [d for d in range(1, local_rows + 1) if local_rows % d == 0]
+        raise ValueError(
+            f"block_rows={block_rows} for DBuffer tensor {name!r} does not divide its local "
+            f"piece of {local_rows} rows (global shape {tuple(outer.shape)}, placements "
+            f"{outer.placements}): a block would straddle two ranks of the row-sharded axis; "
+            f"valid: {divisors}"
+        )

@@ -1,0 +1,36 @@
+"""fully_shard over tensor- and expert-parallel DTensors: 2-D and 3-D meshes on gloo ranks."""
+
+import pytest
+import tp_cases as cases
+
+
+@pytest.mark.parametrize("seq_parallel", [False, True])
+@pytest.mark.parametrize("precision", ["fp64", "fp32", "bf16"])
+def test_dp2_tp2_matches_one_process_and_fsdp2(pools, seq_parallel, precision) -> None:
+    pools[4].run(cases.check_training, (2, 2), seq_parallel, precision)
+
+
+@pytest.mark.parametrize(
+    ("world", "shape"),
+    [(4, (1, 4)), (4, (2, 1, 2)), (3, (3, 1)), (3, (1, 3)), (2, (1, 2)), (1, (1, 1))],
+    ids=["dp1xtp4", "hsdp2x1xtp2", "dp3xtp1", "dp1xtp3", "dp1xtp2", "dp1xtp1"],
+)
+def test_other_meshes_match_one_process_and_fsdp2(pools, world, shape) -> None:
+    pools[world].run(cases.check_training, shape, True, "fp64")
+
+
+@pytest.mark.parametrize(
+    ("save", "load"), [((2, 2), (4, 1)), ((4, 1), (2, 2))], ids=["2x2->4x1", "4x1->2x2"]
+)
+def test_checkpoint_reshards_across_meshes(pools, tmp_path, save, load) -> None:
+    pools[4].run(cases.check_checkpoint, str(tmp_path / "dcp"), save, load)
+
+
+@pytest.mark.parametrize("kind", ["fused", "separate"])
+def test_expert_parallel_matches_one_process(pools, kind) -> None:
+    pools[4].run(cases.check_expert_parallel, kind)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bad_input(pools, world) -> None:
+    pools[world].run(cases.check_bad_input)
