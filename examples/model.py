@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 @dataclass(frozen=True)
@@ -56,17 +57,22 @@ class Attention(nn.Module):
     def __init__(self, cfg: Config) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads
+        self.head_dim = cfg.dim // cfg.num_heads
+        # Rows head by head (each head's q, k, v together): a column-parallel split of wqkv
+        # over tensor-parallel ranks then gives each rank whole heads.
         self.wqkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=False)
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Attends over (batch, seq, dim)."""
-        b, s, d = x.shape
-        q, k, v = self.wqkv(x).view(b, s, 3, self.num_heads, d // self.num_heads).unbind(2)
+        b, s, _ = x.shape
+        qkv = self.wqkv(x)
+        heads = qkv.shape[-1] // (3 * self.head_dim)  # this rank's, under tensor parallelism
+        q, k, v = qkv.view(b, s, heads, 3, self.head_dim).unbind(3)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         q, k = rotary(q), rotary(k)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(b, s, d))
+        return self.wo(out.transpose(1, 2).reshape(b, s, heads * self.head_dim))
 
 
 class SwiGLU(nn.Module):
@@ -83,12 +89,45 @@ class SwiGLU(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def _dispatch(
+    experts: list[Callable[[torch.Tensor], torch.Tensor]],
+    first: int,
+    flat: torch.Tensor,
+    chosen: torch.Tensor,
+    weights: torch.Tensor,
+) -> torch.Tensor:
+    """Runs expert `first + i` on the tokens routed to it; sums the weighted outputs."""
+    out = torch.zeros_like(flat)
+    for index, expert in enumerate(experts, start=first):
+        token, slot = (chosen == index).nonzero(as_tuple=True)
+        if token.numel():
+            out.index_add_(0, token, expert(flat[token]) * weights[token, slot, None])
+    return out
+
+
+class ExpertList(nn.ModuleList):
+    """Separate SwiGLU experts, as many MoE codebases hold them; called with the routing.
+
+    `first_expert`: the index of the first one (expert parallelism holds a share of them).
+    """
+
+    first_expert = 0
+
+    def forward(
+        self, flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The weighted sum of each token's chosen experts (those held here)."""
+        return _dispatch(list(self), self.first_expert, flat, chosen, weights)
+
+
 class GroupedExperts(nn.Module):
     """Every expert's SwiGLU in one [num_experts, ...] parameter per projection.
 
     How Hugging Face transformers 5 and torchtitan hold MoE experts: three parameters per
     block whatever the number of experts.
     """
+
+    first_expert = 0  # as in ExpertList
 
     def __init__(self, dim: int, hidden: int, num_experts: int) -> None:
         super().__init__()
@@ -100,13 +139,21 @@ class GroupedExperts(nn.Module):
         return self.w1.shape[0]
 
     def split(self) -> list[Callable[[torch.Tensor], torch.Tensor]]:
-        """One function per expert, over views of the fused weights.
+        """One function per expert held here, over views of the fused weights.
 
         One `unbind` per projection: its backward stacks the experts' gradients in one op
         (indexing each expert apart would add a full-size gradient per expert).
         """
-        w1, w3, w2 = self.w1.unbind(0), self.w3.unbind(0), self.w2.unbind(0)
+        # Under expert parallelism the weights are Shard(0) DTensors: this rank's experts.
+        local = [w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w3, self.w2)]
+        w1, w3, w2 = (w.unbind(0) for w in local)
         return [functools.partial(_swiglu, *weights) for weights in zip(w1, w3, w2, strict=True)]
+
+    def forward(
+        self, flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The weighted sum of each token's chosen experts (those held here)."""
+        return _dispatch(self.split(), self.first_expert, flat, chosen, weights)
 
 
 def _swiglu(w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -121,10 +168,10 @@ class MoE(nn.Module):
         self.top_k = cfg.top_k
         self.router = nn.Linear(cfg.dim, cfg.num_experts, bias=False)
         hidden = max(1, cfg.hidden // 4)
-        self.experts: nn.Module = (
+        self.experts: ExpertList | GroupedExperts = (
             GroupedExperts(cfg.dim, hidden, cfg.num_experts)
             if cfg.fused_experts
-            else nn.ModuleList(SwiGLU(cfg.dim, hidden) for _ in range(cfg.num_experts))
+            else ExpertList(SwiGLU(cfg.dim, hidden) for _ in range(cfg.num_experts))
         )
         # Benchmarks set this to (tokens, top_k) expert indices: the routing then does not
         # depend on the weights' values (a fake process group gathers no real weights).
@@ -139,14 +186,7 @@ class MoE(nn.Module):
         else:
             chosen = self.forced_choice
             weights = probs.gather(1, chosen)
-        out = torch.zeros_like(flat)
-        experts = self.experts
-        run = experts.split() if isinstance(experts, GroupedExperts) else list(experts)
-        for index, expert in enumerate(run):
-            token, slot = (chosen == index).nonzero(as_tuple=True)
-            if token.numel():
-                out.index_add_(0, token, expert(flat[token]) * weights[token, slot, None])
-        return out.view_as(x)
+        return self.experts(flat, chosen, weights).view_as(x)
 
 
 class Block(nn.Module):

@@ -41,7 +41,10 @@ from torch import nn
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 from model import Config, Decoder, loss_fn
+from parallel import expert_parallel, tensor_parallel
 from profiling import engine_copies, peak_live_bytes
+
+from fsdp_engine import clip_grad_norm_
 
 DATA = pathlib.Path(__file__).parent / "data" / "tinyshakespeare.txt"
 MEASURE_STEPS = (3, 4)  # profiled (peak memory, copies), left out of the timings
@@ -65,7 +68,21 @@ def build(args: argparse.Namespace, vocab: int, device: torch.device) -> nn.Modu
     )
     torch.manual_seed(args.seed)
     model = Decoder(cfg).to(device)
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    world = dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world,))
+    experts_mesh = None
+    if args.tp > 1:  # (dp, tp): tensor parallel first, then fully_shard over dp
+        grid = init_device_mesh(
+            device.type, (world // args.tp, args.tp), mesh_dim_names=("dp", "tp")
+        )
+        tensor_parallel(model, grid["tp"])
+        mesh = grid["dp"]
+    if args.ep > 1:  # experts over (dp, ep); everything else over all ranks
+        grid = init_device_mesh(
+            device.type, (world // args.ep, args.ep), mesh_dim_names=("dp", "ep")
+        )
+        expert_parallel(model, grid["ep"])
+        experts_mesh = grid["dp"]
     mp = MixedPrecisionPolicy()
     if args.mixed_precision == "bf16":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -77,6 +94,11 @@ def build(args: argparse.Namespace, vocab: int, device: torch.device) -> nn.Modu
     if args.optimizer == "adamw8bit":  # whole 32 x 32 quantization blocks on every rank
         kwargs["block_rows"] = lambda fqn, p: 32 if p.dim() == 2 else 1
     for layer in model.layers:
+        if experts_mesh is not None:
+            experts = fully_shard(layer.mlp.experts, **{**kwargs, "mesh": experts_mesh})
+            # An expert's gradient sums its whole ep group's: divided by every rank, it is
+            # the batch mean (as torchtitan sets it).
+            experts.set_gradient_divide_factor(float(world))
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     return model
@@ -136,17 +158,16 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     model = build(args, len(text.chars), device)  # each block, then the root, sharded
     opt = make_optimizer(args.optimizer, model, args.lr)
     start = load(args.resume, model, opt) if args.resume is not None else 0
-    per_rank = args.global_batch // world
 
     def my_rows(step: int) -> torch.Tensor:  # this rank's share of the step's global batch
         batch = text.batch("train", args.seed, step, args.global_batch, args.seq_len)
-        return batch[rank * per_rank : (rank + 1) * per_rank].to(device)
+        return my_share(batch, args).to(device)
 
     def step_fn(step: int) -> float:
         tokens = my_rows(step)
         loss = loss_fn(model(tokens), tokens)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        clip_grad_norm_(model.parameters(), 1.0)  # torch's, also over several meshes (TP)
         opt.step()
         opt.zero_grad()
         value = loss.detach().float()
@@ -179,15 +200,21 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     return record
 
 
+def my_share(batch: torch.Tensor, args: argparse.Namespace) -> torch.Tensor:
+    """This rank's rows: the tensor-parallel ranks of one data-parallel replica share them."""
+    replica, num_replicas = dist.get_rank() // args.tp, dist.get_world_size() // args.tp
+    per_replica = batch.shape[0] // num_replicas
+    return batch[replica * per_replica : (replica + 1) * per_replica]
+
+
 def evaluate(model: nn.Module, text: Text, args: argparse.Namespace, device: torch.device) -> float:
     """Mean validation loss over 4 fixed global batches."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    per_rank = args.global_batch // world
+    world = dist.get_world_size()
     losses = []
     with torch.no_grad():
         for index in range(4):
             batch = text.batch("val", args.seed + 1, index, args.global_batch, args.seq_len)
-            mine = batch[rank * per_rank : (rank + 1) * per_rank].to(device)
+            mine = my_share(batch, args).to(device)
             losses.append(loss_fn(model(mine), mine))
     value = torch.stack(losses).mean().float()
     dist.all_reduce(value)
@@ -341,6 +368,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--moe", type=int, default=0, help="experts per layer (0: dense)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (dense only)")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (with --moe)")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--mixed-precision", choices=["none", "bf16"], default="none")
     parser.add_argument("--eval-every", type=int, default=50)
@@ -360,10 +389,21 @@ def check_args(args: argparse.Namespace, world: int) -> None:
     for name in ("steps", "global_batch", "seq_len", "dim", "layers", "heads", "eval_every"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.global_batch % world:
+    for name in ("tp", "ep"):
+        size = getattr(args, name)
+        if size < 1 or world % size:
+            raise UsageError(f"--{name} {size} must be >= 1 and divide the {world} ranks")
+    if args.tp > 1 and (args.moe or args.ep > 1):
+        raise UsageError("--tp shards dense blocks in this example: use it without --moe/--ep")
+    if args.ep > 1 and (not args.moe or args.moe % args.ep):
+        raise UsageError(f"--ep {args.ep} needs --moe N with N a multiple of {args.ep}")
+    if args.heads % args.tp:
+        raise UsageError(f"--heads {args.heads} must be a multiple of --tp {args.tp}")
+    replicas = world // args.tp  # the tensor-parallel ranks of a replica share its rows
+    if args.global_batch % replicas:
         raise UsageError(
-            f"--global-batch {args.global_batch} does not split over {world} ranks: use a "
-            f"multiple of {world} (or fewer ranks)"
+            f"--global-batch {args.global_batch} does not split over {replicas} data-parallel "
+            f"replicas: use a multiple of {replicas} (or fewer ranks)"
         )
     if args.dim % args.heads:
         raise UsageError(f"--dim {args.dim} must be a multiple of --heads {args.heads}")

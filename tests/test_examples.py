@@ -41,7 +41,11 @@ def _losses(record: dict[str, object]) -> dict[int, float]:
     [
         (["--engine", "deepspeed"], "invalid choice: 'deepspeed'"),
         (["--data", "/no/such/file.txt"], "data file /no/such/file.txt does not exist"),
-        (["--nproc", "5"], "--global-batch 12 does not split over 5 ranks"),
+        (["--nproc", "5"], "--global-batch 12 does not split over 5 data-parallel replicas"),
+        (["--nproc", "2", "--tp", "3"], "--tp 3 must be >= 1 and divide the 2 ranks"),
+        (["--nproc", "2", "--tp", "2", "--moe", "4"], "--tp shards dense blocks"),
+        (["--nproc", "2", "--ep", "2"], "--ep 2 needs --moe N"),
+        (["--nproc", "4", "--tp", "4", "--heads", "2"], "--heads 2 must be a multiple of --tp 4"),
         (["--resume", "{empty}"], "no checkpoint there"),
         (["--seq-len", "2000000"], "longer than the val split"),
         (["--engine", "fsdp2", "--optimizer", "adamw8bit"], "use --engine ours"),
@@ -116,3 +120,20 @@ def test_optimizers_train_and_resume_on_another_world_size(tmp_path, optimizer) 
     assert full[16] < full[1] - 0.3  # it learns
     resume = max(abs(full[s] - after[s]) for s in range(9, 17))
     print(f"{optimizer}: max loss difference, resumed on 3 ranks {resume:.2e}")
+
+
+def test_tensor_and_expert_parallel_runs(tmp_path) -> None:
+    # --tp 2 on 4 ranks (dp 2 x tp 2): our engine and FSDP2 on the same mesh, the same losses
+    # up to summation order. --ep 2 with 4 experts: the same training as without expert
+    # parallelism (each expert on 2 ranks instead of 4), up to summation order.
+    tp = ("--nproc", "4", "--tp", "2", "--steps", "6")
+    ours = _losses(_train(*tp, "--engine", "ours", out=tmp_path / "a"))
+    fsdp2 = _losses(_train(*tp, "--engine", "fsdp2", out=tmp_path / "b"))
+    ep = _losses(
+        _train("--nproc", "4", "--moe", "4", "--ep", "2", "--steps", "6", out=tmp_path / "c")
+    )
+    dp = _losses(_train("--nproc", "4", "--moe", "4", "--steps", "6", out=tmp_path / "d"))
+    for step in range(1, 7):
+        assert abs(ours[step] - fsdp2[step]) < 1e-4, (step, ours[step], fsdp2[step])
+        assert abs(ep[step] - dp[step]) < 1e-3, (step, ep[step], dp[step])
+    assert ours[6] < ours[1] - 0.3 and ep[6] < ep[1] - 0.3  # they learn

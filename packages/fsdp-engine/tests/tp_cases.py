@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from parallel import gather_rows, sum_and_take_rows
 from rank_pool import expect_error
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -24,7 +25,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
 
-from fsdp_engine import MixedPrecisionPolicy, fully_shard
+from fsdp_engine import MixedPrecisionPolicy, clip_grad_norm_, fully_shard
 from ragged_placement import RaggedShard, flat_range, local_view
 
 ROWS_PER_REPLICA = 2
@@ -103,7 +104,7 @@ def _train(
         loss = _loss(model, rows)
         loss.backward()
         if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
         value = loss.detach().double()
@@ -146,9 +147,9 @@ def check_training(shape: tuple[int, ...], seq_parallel: bool, precision: str) -
     batches = _batches(3, num_replicas)
     base = _model(dtype)
     reference, theirs, ours = copy.deepcopy(base), copy.deepcopy(base), base
-    # clip_grad_norm_ stacks every gradient's norm: it needs all of them on one mesh, which
-    # sequence parallelism gives (the norms become DTensors too); FSDP2 has the same need.
-    clip = seq_parallel
+    # Without sequence parallelism the norms' weights are over dp alone, the rest over
+    # (dp, tp): torch's clip_grad_norm_ refuses that mix (for FSDP2 too), ours takes it.
+    clip = True
     _parallelize(ours, dp_mesh, tp_mesh, engine="ours", seq_parallel=seq_parallel, mp_policy=mp)
     for name, param in ours.named_parameters():
         assert isinstance(param, DTensor), name
@@ -315,11 +316,11 @@ class FusedExperts(nn.Module):
         if isinstance(w1, DTensor):
             w1, w2 = w1.to_local(), w2.to_local()  # type: ignore[union-attr]
         if self.ep_group is not None:
-            x = _gather_rows(x, self.ep_group)
+            x = gather_rows(x, self.ep_group)
         hidden = torch.relu(torch.einsum("td,ehd->eth", x, w1))
         out = torch.einsum("eth,edh->td", hidden, w2)
         if self.ep_group is not None:
-            out = _sum_and_take_rows(out, self.ep_group)
+            out = sum_and_take_rows(out, self.ep_group)
         return out
 
 
@@ -334,60 +335,12 @@ class SeparateExperts(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ep_group is not None:
-            x = _gather_rows(x, self.ep_group)
+            x = gather_rows(x, self.ep_group)
         out = sum(down(torch.relu(up(x))) for up, down in zip(self.up, self.down, strict=True))
         assert isinstance(out, torch.Tensor)
         if self.ep_group is not None:
-            out = _sum_and_take_rows(out, self.ep_group)
+            out = sum_and_take_rows(out, self.ep_group)
         return out
-
-
-class _GatherRows(torch.autograd.Function):
-    """All-gather along dim 0 over `group`; backward sums the gradients and keeps our rows."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _sum_rows_mine(grad.contiguous(), ctx.group), None
-
-
-class _SumAndTakeRows(torch.autograd.Function):
-    """Sums over `group` and keeps this rank's rows; backward gathers the rows' gradients."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _sum_rows_mine(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        parts = [torch.empty_like(grad) for _ in range(dist.get_world_size(ctx.group))]
-        dist.all_gather(parts, grad.contiguous(), group=ctx.group)
-        return torch.cat(parts), None
-
-
-def _sum_rows_mine(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    total = x.clone()
-    dist.all_reduce(total, group=group)
-    rows = x.shape[0] // dist.get_world_size(group)
-    start = dist.get_rank(group) * rows
-    return total[start : start + rows]
-
-
-def _gather_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    out: torch.Tensor = _GatherRows.apply(x, group)  # type: ignore[no-untyped-call]
-    return out
-
-
-def _sum_and_take_rows(out: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    mine: torch.Tensor = _SumAndTakeRows.apply(out, group)  # type: ignore[no-untyped-call]
-    return mine
 
 
 class MoEModel(nn.Module):

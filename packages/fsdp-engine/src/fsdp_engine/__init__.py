@@ -20,6 +20,7 @@ Example (`model`: a module with a list of blocks in `model.layers`):
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 from fsdp_engine._api import fully_shard, register_fsdp_forward_method
+from fsdp_engine._clip import clip_grad_norm_
 from fsdp_engine._module import FSDPModule, UnshardHandle
 from fsdp_engine._summary import GroupSummary, sharding_summary
 
@@ -33,6 +34,7 @@ __all__ = [
     "OffloadPolicy",
     "UnshardHandle",
     "__version__",
+    "clip_grad_norm_",
     "fully_shard",
     "register_fsdp_forward_method",
     "sharding_summary",
