@@ -75,7 +75,10 @@ def fully_shard(
     Args:
         module: A module, or a list of modules that form one group (e.g. `[norm, output]`).
         mesh: 1-D (FSDP) or 2-D (replicate, shard) = HSDP. None: a 1-D mesh over the default
-            process group, initialized from torchrun's environment if needed.
+            process group, initialized from torchrun's environment if needed. Parameters that
+            are DTensors (tensor or expert parallel, applied first) must be over other named
+            axes of the same device mesh: their local pieces are sharded over `mesh`, and
+            the sharded parameters are DTensors over `mesh`'s axes followed by theirs.
         reshard_after_forward: Free the gathered parameters after forward. None: True except
             for the root. Ints (FSDP2's reshard to a smaller world) are not supported.
         shard_placement_fn: FSDP2's per-parameter placement; only None or Shard(0) (the
