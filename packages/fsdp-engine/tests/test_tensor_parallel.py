@@ -1,15 +1,27 @@
 """fully_shard over tensor- and expert-parallel DTensors: 2-D and 3-D meshes on gloo ranks."""
 
 import pytest
+import torch
 import tp_cases as cases
 
+# torch 2.10's DTensor loses a RowwiseParallel embedding's MaskPartial mask between calls
+# ("assert self.mask_buffer.data is not None" in the embedding's reduce), with tensor
+# parallelism alone, no FSDP; 2.11 and later do not (measured on 2.10.0, 2.11.0, 2.13.0). The
+# torch test Transformer parallelizes its embeddings that way.
+_TORCH = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+sound_embedding_tp = pytest.mark.skipif(
+    _TORCH < (2, 11), reason="torch 2.10's RowwiseParallel embedding loses its mask buffer"
+)
 
+
+@sound_embedding_tp
 @pytest.mark.parametrize("seq_parallel", [False, True])
 @pytest.mark.parametrize("precision", ["fp64", "fp32", "bf16"])
 def test_dp2_tp2_matches_one_process_and_fsdp2(pools, seq_parallel, precision) -> None:
     pools[4].run(cases.check_training, (2, 2), seq_parallel, precision)
 
 
+@sound_embedding_tp
 @pytest.mark.parametrize(
     ("world", "shape"),
     [(4, (1, 4)), (4, (2, 1, 2)), (3, (3, 1)), (3, (1, 3)), (2, (1, 2)), (1, (1, 1))],
@@ -19,6 +31,7 @@ def test_other_meshes_match_one_process_and_fsdp2(pools, world, shape) -> None:
     pools[world].run(cases.check_training, shape, True, "fp64")
 
 
+@sound_embedding_tp
 @pytest.mark.parametrize(
     ("save", "load"), [((2, 2), (4, 1)), ((4, 1), (2, 2))], ids=["2x2->4x1", "4x1->2x2"]
 )
