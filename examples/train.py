@@ -92,7 +92,8 @@ def build(args: argparse.Namespace, vocab: int, device: torch.device) -> nn.Modu
         from torch.distributed.fsdp import fully_shard  # type: ignore[assignment]
     kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": mp}
     if args.optimizer == "adamw8bit":  # whole 32 x 32 quantization blocks on every rank
-        kwargs["block_rows"] = lambda fqn, p: 32 if p.dim() == 2 else 1
+        # (for the matrices that get 8-bit state: 2-D, at least AdamW8bit's min_8bit_numel)
+        kwargs["block_rows"] = lambda fqn, p: 32 if p.dim() == 2 and p.numel() >= 4096 else 1
     for layer in model.layers:
         if experts_mesh is not None:
             experts = fully_shard(layer.mlp.experts, **{**kwargs, "mesh": experts_mesh})

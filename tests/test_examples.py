@@ -137,3 +137,14 @@ def test_tensor_and_expert_parallel_runs(tmp_path) -> None:
         assert abs(ours[step] - fsdp2[step]) < 1e-4, (step, ours[step], fsdp2[step])
         assert abs(ep[step] - dp[step]) < 1e-3, (step, ep[step], dp[step])
     assert ours[6] < ours[1] - 0.3 and ep[6] < ep[1] - 0.3  # they learn
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "adamw8bit"])
+def test_optimizers_beside_tensor_parallelism(tmp_path, optimizer) -> None:
+    # dp 2 x tp 2 against dp 2 alone: the same training (Muon's owners gather each matrix
+    # over dp and tp; AdamW8bit's blocks tile each tp piece), up to summation order.
+    args = ("--optimizer", optimizer, "--lr", "1e-2", "--steps", "4", "--global-batch", "8")
+    tp = _losses(_train("--nproc", "4", "--tp", "2", *args, out=tmp_path / "a"))
+    dp = _losses(_train("--nproc", "2", *args, out=tmp_path / "b"))
+    for step in range(1, 5):
+        assert abs(tp[step] - dp[step]) < 1e-3, (step, tp[step], dp[step])

@@ -35,3 +35,10 @@ def test_dcp_save_at_4_load_at_2_and_3_continues_bitwise(pools, tmp_path, optimi
     pools[4].run(cases.check_dcp_reshard, str(tmp_path), 4, optimizer)
     for world in (2, 3):
         pools[world].run(cases.check_dcp_reshard, str(tmp_path), 4, optimizer)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("optimizer", ["muon", "adamw8bit"])
+def test_beside_tensor_parallelism_matches_single_process_bitwise(pools, world, optimizer) -> None:
+    # (dp, tp) = (1, 2) and (2, 2): RaggedShard over dp beside Shard(0), Shard(1), Replicate.
+    pools[world].run(cases.check_tensor_parallel, optimizer)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Placement, Replicate
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 from torch.optim import Optimizer
 
 from ragged_optimizers._adamw import adamw_step, check_betas, check_nonnegative
@@ -39,8 +39,9 @@ class AdamW8bit(Optimizer):
     """AdamW whose moments are stored in 8 bits per element plus a float32 scale per block.
 
     Works on plain tensors, RaggedShard DTensors (cut at multiples of `block_size[0]` rows:
-    `block_rows=32` in DBuffer / fully_shard) and Shard(0) DTensors whose chunks are whole
-    blocks. State of about 2.008 bytes per parameter for 32 x 32 blocks (fp32 AdamW: 8).
+    `block_rows=32` in DBuffer / fully_shard), also beside tensor-parallel Shard(d) whose
+    pieces are whole blocks, and Shard(0) DTensors whose chunks are whole blocks. State of
+    about 2.008 bytes per parameter for 32 x 32 blocks (fp32 AdamW: 8).
 
     Non-finite gradients: an element whose gradient is NaN or +-Inf is skipped (the
     parameter keeps its value, weight decay included) and both its moments are reset to 0.
@@ -146,7 +147,7 @@ class AdamW8bit(Optimizer):
 
     @staticmethod
     def _is_8bit(layout: Layout, group: dict[str, Any]) -> bool:
-        return len(layout.shape) == 2 and layout.numel >= group["min_8bit_numel"]
+        return len(layout.full_shape) == 2 and layout.full_numel >= group["min_8bit_numel"]
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -265,6 +266,16 @@ def _fp32_state_update(
 def _block_rows(layout: Layout, block: tuple[int, int], name: str) -> list[tuple[int, int]]:
     """Every rank's [first, end) block row; a ValueError when a piece cuts a block."""
     cols = layout.shape[1]
+    if layout.global_shape is not None:  # tensor parallel: blocks must tile each tp piece
+        for dim in (0, 1):
+            if layout.shape[dim] != layout.global_shape[dim] and layout.shape[dim] % block[dim]:
+                raise ValueError(
+                    f"AdamW8bit: {name} of shape {layout.global_shape} is split by tensor "
+                    f"parallelism into pieces of {layout.shape}, whose dim {dim} "
+                    f"({layout.shape[dim]}) is not a multiple of the block's {block[dim]}: a "
+                    f"quantization block would straddle two ranks; choose sizes that divide, "
+                    f"or give it fp32 state (min_8bit_numel > {layout.full_numel})"
+                )
     out = []
     for rank in range(layout.num_ranks):
         rows = layout.piece_rows(rank, block[0] * cols)
@@ -287,21 +298,32 @@ def _wrap_grid(
     rows: list[tuple[int, int]],
     grid_cols: int,
 ) -> torch.Tensor:
-    """The local scales as a DTensor of the whole grid, split like the parameter's rows."""
+    """The local scales as a DTensor of the whole grid, split like the parameter's blocks.
+
+    The shard axis cuts the grid's rows (of this rank's tensor-parallel piece) raggedly;
+    tensor-parallel Shard(d) axes split the grid as they split the parameter (blocks tile
+    each piece, checked in `_block_rows`).
+    """
     if not isinstance(like, DTensor):
         return scales
-    grid_rows = rows[-1][1]
-    placements: list[Placement] = [Replicate()] * like.device_mesh.ndim
+    placements: list[Placement] = [
+        p if isinstance(p, Shard) and layout.global_shape is not None else Replicate()
+        for p in like.placements
+    ]
     if layout.axis is not None:
         placements[layout.axis] = RaggedShard((0,), [hi - lo for lo, hi in rows])
     local = scales.view(-1) if layout.axis is not None else scales
+    grid = [rows[-1][1], grid_cols]  # of the block; the whole grid over the other axes:
+    for axis, placement in enumerate(placements):
+        if isinstance(placement, Shard):
+            grid[placement.dim % 2] *= like.device_mesh.size(axis)
     return DTensor.from_local(
         local,
         like.device_mesh,
         placements,
         run_check=False,
-        shape=torch.Size((grid_rows, grid_cols)),
-        stride=(grid_cols, 1),
+        shape=torch.Size(grid),
+        stride=(grid[1], 1),
     )
 
 

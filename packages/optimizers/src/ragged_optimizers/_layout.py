@@ -4,8 +4,11 @@ Both optimizers work on flat pieces: a parameter of global shape `shape` is spli
 mesh axis into contiguous ranges of its row-major flattening, one per rank (RaggedShard pieces
 are such ranges by definition; FSDP2's Shard(0) chunks of whole rows are too). Every rank
 computes every other rank's range from the placement alone, so plans made from layouts agree
-on all ranks without a collective. Other mesh axes must be Replicate (HSDP's replica axis):
-each replica then runs the same step.
+on all ranks without a collective. Other mesh axes are Replicate (HSDP's replica axis: each
+replica runs the same step) or, beside a RaggedShard, Shard(d) of tensor or expert
+parallelism: RaggedShard then cuts the block those leave (this rank's tensor-parallel piece),
+the ranges are ranges of that block, and `gather_block` / `take_block` go between a block and
+the whole tensor over the other axes.
 """
 
 from __future__ import annotations
@@ -27,13 +30,15 @@ class Layout:
     """One parameter's global shape and every rank's flat range along its shard axis.
 
     Attributes:
-        shape: The global (logical) shape.
-        ranges: [start, end) of each rank's piece of the flattened tensor, in rank order;
-            one range covering everything for a plain or replicated tensor.
+        shape: The global (logical) shape, or with tensor / expert parallelism the block the
+            shard axis cuts (this rank's piece over the other axes, the same shape on all).
+        ranges: [start, end) of each rank's piece of the flattened tensor (or block), in rank
+            order; one range covering everything for a plain or replicated tensor.
         rank: This rank's index on the shard axis (0 when not sharded).
         mesh: The DTensor's mesh, None for a plain tensor.
         placements: The DTensor's placements, () for a plain tensor.
         axis: The mesh axis the pieces are spread over, None when not sharded.
+        global_shape: The whole tensor's shape when other axes shard it, else None.
     """
 
     shape: tuple[int, ...]
@@ -42,6 +47,7 @@ class Layout:
     mesh: DeviceMesh | None = None
     placements: tuple[Placement, ...] = ()
     axis: int | None = None
+    global_shape: tuple[int, ...] | None = None  # set when other axes shard it (TP / EP)
 
     def __post_init__(self) -> None:
         numel = math.prod(self.shape)
@@ -56,6 +62,54 @@ class Layout:
     def numel(self) -> int:
         """Elements of the global tensor."""
         return math.prod(self.shape)
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        """The whole tensor's shape (the matrix Muon orthogonalizes, AdamW8bit's block grid)."""
+        return self.global_shape if self.global_shape is not None else self.shape
+
+    @property
+    def full_numel(self) -> int:
+        """Elements of the whole tensor."""
+        return math.prod(self.full_shape)
+
+    def _outer(self) -> tuple[DeviceMesh, list[Placement]]:
+        assert self.mesh is not None and self.global_shape is not None
+        placements = list(self.placements)
+        if self.axis is not None:
+            placements[self.axis] = Replicate()
+        return self.mesh, placements
+
+    def gather_block(self, block: torch.Tensor) -> torch.Tensor:
+        """The whole tensor, flat, from this rank's flat block.
+
+        A collective over the axes that shard it other than the shard axis; a layout without
+        such axes returns `block` as is.
+        """
+        if self.global_shape is None:
+            return block
+        mesh, placements = self._outer()
+        # Replicate on the shard axis: only the other axes gather (this rank and the ranks
+        # that hold the other blocks of the same piece; run_check=False, nothing compared).
+        spread = DTensor.from_local(
+            block.view(self.shape),
+            mesh,
+            placements,
+            run_check=False,
+            shape=torch.Size(self.global_shape),
+            stride=_contiguous(self.global_shape),
+        )
+        return spread.full_tensor().reshape(-1)
+
+    def take_block(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's block, flat, of the whole flat tensor `full` (no communication)."""
+        if self.global_shape is None:
+            return full
+        mesh, placements = self._outer()
+        whole = DTensor.from_local(
+            full.view(self.global_shape), mesh, [Replicate()] * mesh.ndim, run_check=False
+        )
+        return whole.redistribute(mesh, placements).to_local().reshape(-1)
 
     @property
     def num_ranks(self) -> int:
@@ -103,7 +157,8 @@ def layout_of(tensor: torch.Tensor, what: str = "parameter") -> Layout:
 
     Args:
         tensor: A plain tensor, or a DTensor whose placements are Replicate except at most
-            one RaggedShard or Shard(0).
+            one RaggedShard or Shard(0), or one RaggedShard beside Shard(d) of tensor or
+            expert parallelism (splitting their dims evenly).
         what: How to name the tensor in errors.
 
     Returns:
@@ -121,12 +176,23 @@ def layout_of(tensor: torch.Tensor, what: str = "parameter") -> Layout:
     sharded = [(a, p) for a, p in enumerate(placements) if not isinstance(p, Replicate)]
     if not sharded:
         return Layout(shape, ((0, numel),), 0, mesh, placements)
+    ragged_axes = [a for a, p in sharded if isinstance(p, RaggedShard)]
+    others = [(a, p) for a, p in sharded if not isinstance(p, RaggedShard)]
+    if len(ragged_axes) == 1 and others and all(type(p) is Shard for _, p in others):
+        ragged_axis = ragged_axes[0]
+        ragged = placements[ragged_axis]
+        assert isinstance(ragged, RaggedShard)
+        block = _block_shape(shape, mesh, others, what, placements)
+        ranges = ragged.flat_ranges(block, mesh.size(ragged_axis))
+        rank = mesh.get_local_rank(ragged_axis)
+        return Layout(block, ranges, rank, mesh, placements, ragged_axis, global_shape=shape)
     axis, placement = sharded[0]
     ok = isinstance(placement, RaggedShard) or placement == Shard(0)
     if len(sharded) > 1 or not ok:
         raise ValueError(
             f"{what} has placements {placements}; ragged_optimizers supports Replicate on "
-            f"every mesh axis but one, which holds RaggedShard or Shard(0)"
+            f"every mesh axis but one, which holds RaggedShard or Shard(0), or one RaggedShard "
+            f"beside Shard(d) of tensor / expert parallelism"
         )
     num_ranks = mesh.size(axis)
     if isinstance(placement, RaggedShard):
@@ -136,6 +202,37 @@ def layout_of(tensor: torch.Tensor, what: str = "parameter") -> Layout:
         rows = (chunk_range(shape[0], num_ranks, i) for i in range(num_ranks))
         ranges = tuple((lo * row, hi * row) for lo, hi in rows)
     return Layout(shape, ranges, mesh.get_local_rank(axis), mesh, placements, axis)
+
+
+def _block_shape(
+    shape: tuple[int, ...],
+    mesh: DeviceMesh,
+    others: list[tuple[int, Placement]],
+    what: str,
+    placements: tuple[Placement, ...],
+) -> tuple[int, ...]:
+    """The piece every rank holds over the `others` axes (Shard(d), even splits only)."""
+    block = list(shape)
+    for axis, placement in others:
+        assert isinstance(placement, Shard)
+        dim = placement.dim % len(shape)
+        parts = mesh.size(axis)
+        if block[dim] % parts:
+            raise ValueError(
+                f"{what} has placements {placements}: {shape[dim]} of dim {dim} do not split "
+                f"evenly over {parts} ranks; ragged_optimizers needs every rank's "
+                f"tensor-parallel piece to have one shape"
+            )
+        block[dim] //= parts
+    return tuple(block)
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def local_flat(tensor: torch.Tensor) -> torch.Tensor:

@@ -98,7 +98,7 @@ class _Unit:
     @property
     def shape(self) -> tuple[int, ...]:
         """What Newton-Schulz sees: the matrix, or (count, rows, cols) for a stack."""
-        shape = matrix_shape(self.layout.shape)
+        shape = matrix_shape(self.layout.full_shape)
         return shape if len(self.items) == 1 else (len(self.items), *shape)
 
     @property
@@ -113,8 +113,11 @@ class Muon(Optimizer):
     """Muon (momentum orthogonalized by Newton-Schulz) with AdamW groups, on sharded parameters.
 
     Parameters may be plain tensors (one process), RaggedShard DTensors (DBuffer, fsdp_engine)
-    or Shard(0) DTensors (FSDP2); other mesh axes must be Replicate. Matrices sharded over
-    several ranks are orthogonalized once, by an owner per matrix (see `owner_plan`).
+    or Shard(0) DTensors (FSDP2); other mesh axes must be Replicate, or, beside a RaggedShard,
+    Shard(d) of tensor / expert parallelism. Matrices sharded over several ranks are
+    orthogonalized once per tensor-parallel rank, by an owner per matrix (see `owner_plan`):
+    with tensor parallelism the owners of a matrix's blocks gather the whole matrix over the
+    tensor-parallel axes, each orthogonalizes it and keeps its block.
 
     Non-finite gradients are not filtered (as in torch.optim.Muon): a NaN or Inf anywhere in
     a matrix's gradient makes its whole update NaN, on every rank alike. Stop on them with
@@ -285,7 +288,7 @@ class Muon(Optimizer):
                 owners.update((id(item), unit.owner) for item in unit.items)
         out = []
         for index, item in enumerate(sharded):
-            shape = matrix_shape(item.layout.shape)
+            shape = matrix_shape(item.layout.full_shape)
             pieces = [hi - lo for lo, hi in item.layout.ranges]
             owner = owners[id(item)]
             moved = sum(pieces) - pieces[owner]
@@ -361,7 +364,7 @@ class Muon(Optimizer):
         group = unit.group
         locals_ = [local_flat(item.param) for item in unit.items]
         torch._foreach_mul_(locals_, 1 - group["lr"] * group["weight_decay"])
-        lr = adjusted_lr(group["lr"], group["adjust_lr"], unit.layout.shape)
+        lr = adjusted_lr(group["lr"], group["adjust_lr"], unit.layout.full_shape)
         torch._foreach_add_(locals_, updates, alpha=-lr)
 
     def _momentum(self, param: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
@@ -373,9 +376,11 @@ class Muon(Optimizer):
         self, update: torch.Tensor, layout: Layout, group: dict[str, Any]
     ) -> torch.Tensor:
         coefficients, norm_scale = resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
-        matrix = update.view(matrix_shape(layout.shape))
+        # Under tensor parallelism `update` is this rank's block: every rank holding a block
+        # of the matrix gathers the whole, orthogonalizes it and keeps its block.
+        matrix = layout.gather_block(update).view(matrix_shape(layout.full_shape))
         out = newton_schulz(matrix, coefficients, eps=group["eps"], norm_scale=norm_scale)
-        return out.reshape(-1)
+        return layout.take_block(out.reshape(-1))
 
     def _orthogonalize_unit(self, unit: _Unit, fulls: list[torch.Tensor]) -> list[torch.Tensor]:
         """The flat orthogonalized update of each of a unit's matrices (full, flat inputs)."""
@@ -384,9 +389,10 @@ class Muon(Optimizer):
         coefficients, norm_scale = resolve_coefficients(
             unit.group["ns_coefficients"], unit.group["ns_steps"]
         )
-        stack = torch.stack(fulls).view(unit.shape)
+        layout = unit.layout
+        stack = torch.stack([layout.gather_block(full) for full in fulls]).view(unit.shape)
         out = newton_schulz(stack, coefficients, eps=unit.group["eps"], norm_scale=norm_scale)
-        return list(out.reshape(len(fulls), -1).unbind())
+        return [layout.take_block(one) for one in out.reshape(len(fulls), -1).unbind()]
 
     def _apply(
         self, param: torch.Tensor, layout: Layout, update: torch.Tensor, group: dict[str, Any]
@@ -460,12 +466,15 @@ def _units(items: list[_Item], batch_numel: int) -> list[_Unit]:
     units: list[_Unit] = []
     open_units: dict[tuple[Any, ...], _Unit] = {}
     for item in items:
-        shape = matrix_shape(item.layout.shape)
+        layout = item.layout
+        shape = matrix_shape(layout.full_shape)
         numel = math.prod(shape)
         if len(shape) != 2 or 2 * numel > batch_numel:
             units.append(_Unit([item]))
             continue
-        key = (id(item.group), shape, item.param.dtype)
+        # Batched matrices must also be split alike over any tensor-parallel axes.
+        others = tuple(p for axis, p in enumerate(layout.placements) if axis != layout.axis)
+        key = (id(item.group), shape, layout.shape, others, item.param.dtype)
         unit = open_units.get(key)
         if unit is None or (len(unit.items) + 1) * numel > batch_numel:
             unit = open_units[key] = _Unit([])
