@@ -222,7 +222,17 @@ def check_training(shape: tuple[int, ...], seq_parallel: bool, precision: str) -
                 ours_params[name], value, msg=lambda m, n=name: f"{n}: {m}", **close
             )
     result["fsdp2"] = fsdp2_losses
+    # The largest differences, for the record (`pytest -s` prints them).
+    diffs = {"params vs fsdp2": _max_diff(ours_params, _full_params(theirs))}
+    diffs["grads vs fsdp2"] = _max_diff(ours_grads, fsdp2_grads)
+    if precision != "bf16":
+        diffs["params vs one process"] = _max_diff(ours_params, _full_params(reference))
+    result["max_abs_diff"] = diffs
     return result
+
+
+def _max_diff(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
+    return max(float((got[n].double() - v.double()).abs().max()) for n, v in expected.items())
 
 
 # -- checkpoints across meshes -----------------------------------------------------------------
