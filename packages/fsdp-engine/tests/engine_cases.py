@@ -460,7 +460,8 @@ def _steps(model: nn.Module, opt: torch.optim.Optimizer, batches: list[torch.Ten
         opt.zero_grad()
 
 
-def _full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+def full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """The model and optimizer state as full state dicts (on rank 0)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -487,9 +488,9 @@ def check_checkpoint_save(directory: str, engine: str) -> None:
     _steps(model, opt, batches[:2])
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
     dcp.save(state, checkpoint_id=f"{directory}/dcp")
-    full = copy.deepcopy(_full_state(model, opt))  # AdamW's step tensors are shared
+    full = copy.deepcopy(full_state(model, opt))  # AdamW's step tensors are shared
     _steps(model, opt, batches[2:])
-    after = _full_state(model, opt)
+    after = full_state(model, opt)
     if dist.get_rank() == 0:
         torch.save({"saved": full, "after": after}, f"{directory}/full.pt")
     dist.barrier()
@@ -519,11 +520,11 @@ def check_checkpoint_load(directory: str, engine: str, resume: bool) -> None:
         for name, param in model.named_parameters():
             assert param.to_local().untyped_storage().data_ptr() == storages[name], name
     expected = torch.load(f"{directory}/full.pt", weights_only=False)
-    _assert_state_equal(_full_state(model, opt), expected["saved"])
+    _assert_state_equal(full_state(model, opt), expected["saved"])
     if resume:
         batches = [b[0] for b in _batches(4, 1)]
         _steps(model, opt, batches[2:])
-        _assert_state_equal(_full_state(model, opt), expected["after"])
+        _assert_state_equal(full_state(model, opt), expected["after"])
 
 
 def _assert_state_equal(got: dict[str, Any], expected: dict[str, Any]) -> None:

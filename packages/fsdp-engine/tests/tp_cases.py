@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from engine_cases import full_state
 from parallel import gather_rows, sum_and_take_rows
 from rank_pool import expect_error
 from torch import nn
@@ -259,22 +260,6 @@ def _steps(
         opt.zero_grad()
 
 
-def _full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
-
-    options = StateDictOptions(full_state_dict=True)
-    return copy.deepcopy(
-        {
-            "model": get_model_state_dict(model, options=options),
-            "optim": get_optimizer_state_dict(model, opt, options=options),
-        }
-    )
-
-
 def check_checkpoint(directory: str, save_shape: tuple[int, ...], load_shape: tuple[int, ...]):  # type: ignore[no-untyped-def]
     """Saved with DCP on one mesh, loaded on another: the state, then 2 more steps, equal.
 
@@ -296,9 +281,9 @@ def check_checkpoint(directory: str, save_shape: tuple[int, ...], load_shape: tu
     _steps(model, opt, save_shape, batches[:2])
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
     dcp.save(state, checkpoint_id=directory)
-    saved = _full_state(model, opt)
+    saved = copy.deepcopy(full_state(model, opt))
     _steps(model, opt, save_shape, batches[2:])
-    uninterrupted = _full_state(model, opt)
+    uninterrupted = copy.deepcopy(full_state(model, opt))
 
     loaded, load_opt = _trained(load_shape, seed=123)
     state = {
@@ -308,7 +293,7 @@ def check_checkpoint(directory: str, save_shape: tuple[int, ...], load_shape: tu
     dcp.load(state, checkpoint_id=directory)
     set_model_state_dict(loaded, state["model"])
     set_optimizer_state_dict(loaded, load_opt, state["optim"])
-    _assert_state(_full_state(loaded, load_opt), saved, exact=True)
+    _assert_state(copy.deepcopy(full_state(loaded, load_opt)), saved, exact=True)
     # The same rows per step on the loading mesh: regroup each batch into its replicas.
     num_replicas_loaded = math.prod(load_shape[:-1])
     rows = ROWS_PER_REPLICA * num_replicas_saved // num_replicas_loaded
@@ -320,7 +305,7 @@ def check_checkpoint(directory: str, save_shape: tuple[int, ...], load_shape: tu
         torch.nn.utils.clip_grad_norm_(loaded.parameters(), 1.0)
         load_opt.step()
         load_opt.zero_grad()
-    _assert_state(_full_state(loaded, load_opt), uninterrupted, exact=False)
+    _assert_state(copy.deepcopy(full_state(loaded, load_opt)), uninterrupted, exact=False)
 
 
 def _assert_state(got: dict[str, Any], expected: dict[str, Any], *, exact: bool) -> None:
