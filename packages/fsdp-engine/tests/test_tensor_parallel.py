@@ -34,6 +34,12 @@ def test_other_meshes_match_one_process_and_fsdp2(pools, world, shape) -> None:
 
 
 @sound_embedding_tp
+@pytest.mark.parametrize(("world", "shape"), [(4, (2, 2)), (3, (1, 3))])
+def test_meta_init_equals_one_process(pools, world, shape) -> None:
+    pools[world].run(cases.check_meta_init, shape)
+
+
+@sound_embedding_tp
 @pytest.mark.parametrize(
     ("save", "load"), [((2, 2), (4, 1)), ((4, 1), (2, 2))], ids=["2x2->4x1", "4x1->2x2"]
 )

@@ -236,6 +236,35 @@ def _max_diff(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -
     return max(float((got[n].double() - v.double()).abs().max()) for n, v in expected.items())
 
 
+def _init_weights(model: nn.Module) -> None:
+    """The torchtitan flow's init after `to_empty`: every weight from the one seed."""
+    torch.manual_seed(42)
+    for module in model.modules():
+        if isinstance(module, nn.Linear | nn.Embedding):
+            nn.init.trunc_normal_(module.weight, std=0.02)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+
+
+def check_meta_init(shape: tuple[int, ...]) -> None:
+    """Built on meta, tensor-parallel, sharded, `to_empty`, initialized: one process's values."""
+    _, dp_mesh, tp_mesh = make_mesh(shape)
+    with torch.device("meta"):
+        model = Transformer(ARGS)
+    _parallelize(model, dp_mesh, tp_mesh, engine="ours", seq_parallel=True)
+    model.to_empty(device="cpu")
+    _init_weights(model)
+    reference = Transformer(ARGS)
+    _init_weights(reference)
+    expected = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        assert isinstance(param, DTensor) and not param.is_meta, name
+        assert torch.equal(param.full_tensor(), expected[name].detach()), name
+
+
 # -- checkpoints across meshes -----------------------------------------------------------------
 
 
