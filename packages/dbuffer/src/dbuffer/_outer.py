@@ -116,7 +116,8 @@ def check_rows_within_piece(name: str, outer: OuterSpec, local_rows: int, block_
     Raises:
         ValueError: `block_rows` does not divide `local_rows`.
     """
-    if not any(isinstance(p, Shard) and p.dim == 0 for p in outer.placements):
+    ndim = max(len(outer.shape), 1)
+    if not any(isinstance(p, Shard) and p.dim % ndim == 0 for p in outer.placements):
         return
     if local_rows % block_rows:
         divisors = [d for d in range(1, local_rows + 1) if local_rows % d == 0]
