@@ -101,3 +101,35 @@ def test_view_storage_and_version_helpers() -> None:
     assert _compat.version_of(base) == _compat.version_of(view) == before + 1
     assert _compat.TENSOR_DATA_GET(view).data_ptr() == view.data_ptr()
     assert _compat.TENSOR_IS_VIEW(view)
+
+
+_CONCATENATE = """
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from dbuffer import _compat
+
+dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+both = _compat.concatenate_meshes([mesh["dp"], mesh["tp"]])
+assert both.mesh_dim_names == ("dp", "tp") and tuple(both.shape) == (2, 2), both
+assert both.mesh.tolist() == [[0, 1], [2, 3]], both.mesh
+assert both.get_group(1) is mesh["tp"].get_group(), "the axes' process groups are reused"
+other = init_device_mesh("cpu", (4,), mesh_dim_names=("other",))
+try:
+    _compat.concatenate_meshes([other, mesh["tp"]])
+except RuntimeError:
+    pass
+else:
+    raise AssertionError("meshes of two roots must not concatenate")
+print("ok")
+"""
+
+
+def test_concatenate_meshes_reuses_the_axes_groups() -> None:
+    # In a child process: it initializes a (fake) default process group.
+    result = subprocess.run(
+        [sys.executable, "-c", _CONCATENATE], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
