@@ -33,14 +33,11 @@ def tensor_parallel(model: Decoder, tp_mesh: DeviceMesh) -> None:
     """Shards every block's attention and dense MLP over `tp_mesh` (Megatron style)."""
     size = tp_mesh.size()
     for index, block in enumerate(model.layers):
-        heads, hidden = block.attn.num_heads, None
-        plan: dict[str, Any] = {"attn.wqkv": ColwiseParallel(), "attn.wo": RowwiseParallel()}
         if isinstance(block.mlp, MoE):
             raise ValueError("tensor_parallel shards dense MLPs; use expert_parallel for MoE")
-        hidden = block.mlp.w1.out_features
-        plan.update(
-            {"mlp.w1": ColwiseParallel(), "mlp.w3": ColwiseParallel(), "mlp.w2": RowwiseParallel()}
-        )
+        heads, hidden = block.attn.num_heads, block.mlp.w1.out_features
+        plan = {name: ColwiseParallel() for name in ("attn.wqkv", "mlp.w1", "mlp.w3")}
+        plan.update({name: RowwiseParallel() for name in ("attn.wo", "mlp.w2")})
         if heads % size or hidden % size:
             raise ValueError(
                 f"block {index}: {heads} heads and {hidden} hidden units must both divide by "

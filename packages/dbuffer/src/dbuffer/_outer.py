@@ -32,7 +32,7 @@ class OuterSpec:
         mesh: The DBuffer's mesh axes followed by the tensor's (one mesh, one root).
         placements: The tensor's placements on its own axes.
         shape: The tensor's global shape.
-        stride: The tensor's global (contiguous) stride.
+        stride: The tensor's global stride.
     """
 
     mesh: DeviceMesh
@@ -94,16 +94,7 @@ def outer_spec(name: str, tensor: DTensor, mesh: DeviceMesh) -> OuterSpec:
             f"{_names(mesh)} are not disjoint axes of one device mesh ({exc}); slice both "
             f"from the same init_device_mesh, e.g. mesh['dp'] and mesh['tp']"
         ) from exc
-    return OuterSpec(combined, tuple(tensor.placements), shape, _contiguous(shape))
-
-
-def _contiguous(shape: torch.Size) -> tuple[int, ...]:
-    strides = []
-    step = 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
+    return OuterSpec(combined, tuple(tensor.placements), shape, tensor.stride())
 
 
 def check_rows_within_piece(name: str, outer: OuterSpec, local_rows: int, block_rows: int) -> None:

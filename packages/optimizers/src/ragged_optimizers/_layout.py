@@ -7,13 +7,14 @@ computes every other rank's range from the placement alone, so plans made from l
 on all ranks without a collective. Other mesh axes are Replicate (HSDP's replica axis: each
 replica runs the same step) or, beside a RaggedShard, Shard(d) of tensor or expert
 parallelism: RaggedShard then cuts the block those leave (this rank's tensor-parallel piece),
-the ranges are ranges of that block, and `gather_block` / `take_block` go between a block and
-the whole tensor over the other axes.
+the ranges are ranges of that block, and `gather_blocks` / `take_blocks` go between blocks and
+the whole tensors over the other axes.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -60,7 +61,7 @@ class Layout:
 
     @property
     def numel(self) -> int:
-        """Elements of the global tensor."""
+        """Elements of `shape` (the global tensor, or the block under tensor parallelism)."""
         return math.prod(self.shape)
 
     @property
@@ -73,43 +74,48 @@ class Layout:
         """Elements of the whole tensor."""
         return math.prod(self.full_shape)
 
-    def _outer(self) -> tuple[DeviceMesh, list[Placement]]:
+    def _outer(self, count: int) -> tuple[DeviceMesh, list[Placement], torch.Size]:
+        """The mesh, placements and shape of `count` stacked blocks over the other axes.
+
+        Replicate on the shard axis; the stack's dim 0 is never split.
+        """
         assert self.mesh is not None and self.global_shape is not None
-        placements = list(self.placements)
+        placements: list[Placement] = [
+            Shard(p.dim % len(self.shape) + 1) if isinstance(p, Shard) else p
+            for p in self.placements
+        ]
         if self.axis is not None:
             placements[self.axis] = Replicate()
-        return self.mesh, placements
+        return self.mesh, placements, torch.Size((count, *self.global_shape))
 
-    def gather_block(self, block: torch.Tensor) -> torch.Tensor:
-        """The whole tensor, flat, from this rank's flat block.
+    def gather_blocks(self, blocks: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The whole tensors, (count, full_numel), from this rank's flat blocks of them.
 
-        A collective over the axes that shard it other than the shard axis; a layout without
-        such axes returns `block` as is.
+        One collective for all of them over the axes that shard the tensor other than the
+        shard axis (this rank and the ranks holding the other blocks of the same piece); a
+        layout without such axes only stacks.
+        """
+        stacked = torch.stack([block.view(self.shape) for block in blocks])
+        if self.global_shape is None:
+            return stacked.view(len(blocks), -1)
+        mesh, placements, shape = self._outer(len(blocks))
+        spread = DTensor.from_local(
+            stacked, mesh, placements, run_check=False, shape=shape, stride=_contiguous(shape)
+        )
+        return spread.full_tensor().view(len(blocks), -1)
+
+    def take_blocks(self, fulls: torch.Tensor) -> torch.Tensor:
+        """This rank's flat blocks, (count, numel), of whole flat tensors (count, full_numel).
+
+        No communication: each block is a slice.
         """
         if self.global_shape is None:
-            return block
-        mesh, placements = self._outer()
-        # Replicate on the shard axis: only the other axes gather (this rank and the ranks
-        # that hold the other blocks of the same piece; run_check=False, nothing compared).
-        spread = DTensor.from_local(
-            block.view(self.shape),
-            mesh,
-            placements,
-            run_check=False,
-            shape=torch.Size(self.global_shape),
-            stride=_contiguous(self.global_shape),
-        )
-        return spread.full_tensor().reshape(-1)
-
-    def take_block(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's block, flat, of the whole flat tensor `full` (no communication)."""
-        if self.global_shape is None:
-            return full
-        mesh, placements = self._outer()
+            return fulls
+        mesh, placements, shape = self._outer(fulls.shape[0])
         whole = DTensor.from_local(
-            full.view(self.global_shape), mesh, [Replicate()] * mesh.ndim, run_check=False
+            fulls.view(shape), mesh, [Replicate()] * mesh.ndim, run_check=False
         )
-        return whole.redistribute(mesh, placements).to_local().reshape(-1)
+        return whole.redistribute(mesh, placements).to_local().reshape(fulls.shape[0], -1)
 
     @property
     def num_ranks(self) -> int:

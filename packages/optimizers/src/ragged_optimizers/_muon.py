@@ -378,9 +378,9 @@ class Muon(Optimizer):
         coefficients, norm_scale = resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
         # Under tensor parallelism `update` is this rank's block: every rank holding a block
         # of the matrix gathers the whole, orthogonalizes it and keeps its block.
-        matrix = layout.gather_block(update).view(matrix_shape(layout.full_shape))
+        matrix = layout.gather_blocks([update])[0].view(matrix_shape(layout.full_shape))
         out = newton_schulz(matrix, coefficients, eps=group["eps"], norm_scale=norm_scale)
-        return layout.take_block(out.reshape(-1))
+        return layout.take_blocks(out.reshape(1, -1))[0]
 
     def _orthogonalize_unit(self, unit: _Unit, fulls: list[torch.Tensor]) -> list[torch.Tensor]:
         """The flat orthogonalized update of each of a unit's matrices (full, flat inputs)."""
@@ -390,9 +390,9 @@ class Muon(Optimizer):
             unit.group["ns_coefficients"], unit.group["ns_steps"]
         )
         layout = unit.layout
-        stack = torch.stack([layout.gather_block(full) for full in fulls]).view(unit.shape)
+        stack = layout.gather_blocks(fulls).view(unit.shape)  # one collective for the unit
         out = newton_schulz(stack, coefficients, eps=unit.group["eps"], norm_scale=norm_scale)
-        return [layout.take_block(one) for one in out.reshape(len(fulls), -1).unbind()]
+        return list(layout.take_blocks(out.reshape(len(fulls), -1)).unbind())
 
     def _apply(
         self, param: torch.Tensor, layout: Layout, update: torch.Tensor, group: dict[str, Any]
