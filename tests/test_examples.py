@@ -1,4 +1,10 @@
-"""examples/train.py as a user runs it: bad input, engines agreeing, checkpoint and resume."""
+"""examples/train.py as a user runs it: bad input, engines agreeing, checkpoint and resume.
+
+One run goes through the command line (`--nproc` spawns the ranks); the others call the same
+rank work, `train.run`, on the ranks of the session's RankPool (tests/support/example_runs.py),
+and bad input goes through `train.main` in this process: spawning and importing torch for each
+of them would cost more than the small runs themselves.
+"""
 
 from __future__ import annotations
 
@@ -20,7 +26,12 @@ SMALL = [
 ]
 
 
-def _train(*args: str, out: pathlib.Path) -> dict[str, object]:
+def _record(out: pathlib.Path, args: tuple[str, ...]) -> dict[str, object]:
+    engine = args[args.index("--engine") + 1] if "--engine" in args else "ours"
+    return json.loads((out / f"{engine}.json").read_text())  # type: ignore[no-any-return]
+
+
+def _train_command_line(*args: str, out: pathlib.Path) -> dict[str, object]:
     result = subprocess.run(
         [sys.executable, str(TRAIN), *SMALL, "--out", str(out), *args],
         capture_output=True,
@@ -28,12 +39,27 @@ def _train(*args: str, out: pathlib.Path) -> dict[str, object]:
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    engine = args[args.index("--engine") + 1] if "--engine" in args else "ours"
-    return json.loads((out / f"{engine}.json").read_text())
+    return _record(out, args)
+
+
+def _train(pools, world: int, *args: str, out: pathlib.Path) -> dict[str, object]:
+    from example_runs import train_on_ranks
+
+    pools[world].run(train_on_ranks, [*SMALL, "--out", str(out), *args])
+    return _record(out, args)
 
 
 def _losses(record: dict[str, object]) -> dict[int, float]:
     return {int(step): float(loss) for step, loss in record["train"]}  # type: ignore[attr-defined]
+
+
+def _exit_code(argv: list[str]) -> int:
+    import train
+
+    try:
+        return train.main(argv)
+    except SystemExit as exc:  # argparse's errors
+        return int(exc.code or 0)
 
 
 @pytest.mark.parametrize(
@@ -52,25 +78,36 @@ def _losses(record: dict[str, object]) -> dict[int, float]:
         (["--optimizer", "lion"], "invalid choice: 'lion'"),
     ],
 )
-def test_bad_input_is_one_clear_line(tmp_path, args, message) -> None:
+def test_bad_input_is_one_clear_line(tmp_path, capsys, args, message) -> None:
     args = [a.replace("{empty}", str(tmp_path)) for a in args]
+    assert _exit_code([*SMALL, *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_bad_input_on_the_command_line_is_one_line_and_no_traceback() -> None:
     result = subprocess.run(
-        [sys.executable, str(TRAIN), *SMALL, *args], capture_output=True, text=True, timeout=120
+        [sys.executable, str(TRAIN), *SMALL, "--nproc", "5"],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 2, result
-    assert message in result.stderr, result.stderr
+    assert "does not split over 5 data-parallel replicas" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
-def test_engines_agree_and_resume_on_another_world_size(tmp_path) -> None:
-    ours = _train("--nproc", "2", "--steps", "24", "--engine", "ours", out=tmp_path / "a")
-    fsdp2 = _train("--nproc", "2", "--steps", "24", "--engine", "fsdp2", out=tmp_path / "b")
+def test_engines_agree_and_resume_on_another_world_size(tmp_path, pools) -> None:
+    ours = _train(pools, 2, "--steps", "24", "--engine", "ours", out=tmp_path / "a")
+    fsdp2 = _train(pools, 2, "--steps", "24", "--engine", "fsdp2", out=tmp_path / "b")
     checkpoint = tmp_path / "ck"
-    _train("--nproc", "2", "--steps", "12", "--checkpoint", str(checkpoint), out=tmp_path / "c")
-    resumed = _train(
-        "--nproc", "3", "--steps", "24", "--resume", str(checkpoint), out=tmp_path / "d"
+    # The command line's own launch (`--nproc` spawns the ranks) writes the checkpoint.
+    _train_command_line(
+        "--nproc", "2", "--steps", "12", "--checkpoint", str(checkpoint), out=tmp_path / "c"
     )
+    resumed = _train(pools, 3, "--steps", "24", "--resume", str(checkpoint), out=tmp_path / "d")
     full, theirs, after = _losses(ours), _losses(fsdp2), _losses(resumed)
     assert sorted(after) == list(range(13, 25)), sorted(after)
     # Same model, seed and data; only the order in which ranks' gradients are summed differs.
@@ -100,20 +137,15 @@ def test_model_builds_every_tensor_on_the_input_device(num_experts) -> None:
 
 
 @pytest.mark.parametrize("optimizer", ["muon", "adamw8bit"])
-def test_optimizers_train_and_resume_on_another_world_size(tmp_path, optimizer) -> None:
+def test_optimizers_train_and_resume_on_another_world_size(tmp_path, pools, optimizer) -> None:
     # DCP reshards the optimizer state (Muon's momentum, AdamW8bit's codes and scales) from
     # 2 ranks' layout to 3 ranks'; the resumed run continues the uninterrupted curve.
     args = ("--optimizer", optimizer, "--lr", "1e-2")
-    full = _losses(_train("--nproc", "2", "--steps", "16", *args, out=tmp_path / "a"))
+    full = _losses(_train(pools, 2, "--steps", "16", *args, out=tmp_path / "a"))
     checkpoint = tmp_path / "ck"
-    _train(
-        "--nproc", "2", "--steps", "8", "--checkpoint", str(checkpoint), *args, out=tmp_path / "b"
-    )
-    after = _losses(
-        _train(
-            "--nproc", "3", "--steps", "16", "--resume", str(checkpoint), *args, out=tmp_path / "c"
-        )
-    )
+    _train(pools, 2, "--steps", "8", "--checkpoint", str(checkpoint), *args, out=tmp_path / "b")
+    resume = ("--steps", "16", "--resume", str(checkpoint))
+    after = _losses(_train(pools, 3, *resume, *args, out=tmp_path / "c"))
     assert sorted(after) == list(range(9, 17)), sorted(after)
     for step in range(9, 17):
         assert abs(full[step] - after[step]) < 1e-3, (step, full[step], after[step])
@@ -122,17 +154,15 @@ def test_optimizers_train_and_resume_on_another_world_size(tmp_path, optimizer) 
     print(f"{optimizer}: max loss difference, resumed on 3 ranks {resume:.2e}")
 
 
-def test_tensor_and_expert_parallel_runs(tmp_path) -> None:
+def test_tensor_and_expert_parallel_runs(tmp_path, pools) -> None:
     # --tp 2 on 4 ranks (dp 2 x tp 2): our engine and FSDP2 on the same mesh, the same losses
     # up to summation order. --ep 2 with 4 experts: the same training as without expert
     # parallelism (each expert on 2 ranks instead of 4), up to summation order.
-    tp = ("--nproc", "4", "--tp", "2", "--steps", "6")
-    ours = _losses(_train(*tp, "--engine", "ours", out=tmp_path / "a"))
-    fsdp2 = _losses(_train(*tp, "--engine", "fsdp2", out=tmp_path / "b"))
-    ep = _losses(
-        _train("--nproc", "4", "--moe", "4", "--ep", "2", "--steps", "6", out=tmp_path / "c")
-    )
-    dp = _losses(_train("--nproc", "4", "--moe", "4", "--steps", "6", out=tmp_path / "d"))
+    tp = ("--tp", "2", "--steps", "6")
+    ours = _losses(_train(pools, 4, *tp, "--engine", "ours", out=tmp_path / "a"))
+    fsdp2 = _losses(_train(pools, 4, *tp, "--engine", "fsdp2", out=tmp_path / "b"))
+    ep = _losses(_train(pools, 4, "--moe", "4", "--ep", "2", "--steps", "6", out=tmp_path / "c"))
+    dp = _losses(_train(pools, 4, "--moe", "4", "--steps", "6", out=tmp_path / "d"))
     for step in range(1, 7):
         assert abs(ours[step] - fsdp2[step]) < 1e-4, (step, ours[step], fsdp2[step])
         assert abs(ep[step] - dp[step]) < 1e-3, (step, ep[step], dp[step])
@@ -140,11 +170,11 @@ def test_tensor_and_expert_parallel_runs(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("optimizer", ["muon", "adamw8bit"])
-def test_optimizers_beside_tensor_parallelism(tmp_path, optimizer) -> None:
+def test_optimizers_beside_tensor_parallelism(tmp_path, pools, optimizer) -> None:
     # dp 2 x tp 2 against dp 2 alone: the same training (Muon's owners gather each matrix
     # over dp and tp; AdamW8bit's blocks tile each tp piece), up to summation order.
     args = ("--optimizer", optimizer, "--lr", "1e-2", "--steps", "4", "--global-batch", "8")
-    tp = _losses(_train("--nproc", "4", "--tp", "2", *args, out=tmp_path / "a"))
-    dp = _losses(_train("--nproc", "2", *args, out=tmp_path / "b"))
+    tp = _losses(_train(pools, 4, "--tp", "2", *args, out=tmp_path / "a"))
+    dp = _losses(_train(pools, 2, *args, out=tmp_path / "b"))
     for step in range(1, 5):
         assert abs(tp[step] - dp[step]) < 1e-3, (step, tp[step], dp[step])

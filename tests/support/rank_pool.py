@@ -1,9 +1,10 @@
 """A pool of gloo ranks kept alive across tests: spawn once, run many checks.
 
-Spawning a process group costs seconds on 2 cores, so each world size gets one pool per test
-module; `RankPool.run(fn, *args)` runs an importable function on every rank and returns the
-per-rank results, or raises with the failing rank's traceback. A rank that does not answer
-within the timeout fails the test (and the pool is rebuilt) instead of hanging the run.
+Spawning a process group costs seconds on 2 cores, so each world size gets one pool for the
+whole pytest run (the `pools` fixture of the root conftest.py); `RankPool.run(fn, *args)` runs
+an importable function on every rank and returns the per-rank results, or raises with the
+failing rank's traceback. A rank that does not answer within the timeout fails the test (and
+the pool is rebuilt) instead of hanging the run.
 """
 
 from __future__ import annotations
