@@ -417,6 +417,7 @@ def check_args(args: argparse.Namespace, world: int) -> None:
         )
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device on this machine")
+    Text(args.data).batch("val", 0, 0, 1, args.seq_len)  # the text is long enough
 
 
 # -- data ---------------------------------------------------------------------------------------
@@ -500,22 +501,20 @@ def run(args: argparse.Namespace) -> None:
             + (" (short run: warm-up steps included)" if record["timed_every_step"] else "")
         )
         print(f"--- sample ({args.engine}) ---\n{record['sample']}\n---")
+    # The model is cyclic garbage (modules and their hooks) that holds the process group and
+    # tensors gloo's worker threads touched last. Left to interpreter shutdown, freeing those
+    # tensors takes the GIL while the interpreter is being torn down: SIGABRT ("terminate called
+    # without an active exception"), now and then. Free them now, and let no rank go on (or
+    # leave) while another still talks to it.
+    gc.collect()
+    dist.barrier()
 
 
 def _run_then_shut_down(args: argparse.Namespace) -> None:
     try:
         run(args)
-    except BaseException:
+    finally:
         dist.destroy_process_group()
-        raise
-    # The model is cyclic garbage (modules and their hooks) that holds the process group and
-    # tensors gloo's worker threads touched last. Left to interpreter shutdown, freeing those
-    # tensors takes the GIL while the interpreter is being torn down: SIGABRT ("terminate called
-    # without an active exception"), now and then. Free them now, and let no rank leave while
-    # another still talks to it.
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def _spawned(rank: int, world: int, init_file: str, args: argparse.Namespace) -> None:
@@ -537,7 +536,6 @@ def main(argv: list[str] | None = None) -> int:
     world = int(os.environ["WORLD_SIZE"]) if launched else max(args.nproc, 1)
     try:
         check_args(args, world)
-        Text(args.data).batch("val", 0, 0, 1, args.seq_len)  # the text is long enough
     except UsageError as exc:
         print(f"train.py: error: {exc}", file=sys.stderr)
         return 2

@@ -83,6 +83,7 @@ def test_bad_input_is_one_clear_line(tmp_path, capsys, args, message) -> None:
     assert _exit_code([*SMALL, *args]) == 2
     err = capsys.readouterr().err
     assert message in err, err
+    assert "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1, err
 
 

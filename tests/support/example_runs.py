@@ -9,18 +9,13 @@ training these small models does.
 
 from __future__ import annotations
 
-import gc
-
 import torch.distributed as dist
 
 
 def train_on_ranks(argv: list[str]) -> None:
-    """Parses and checks `argv` as train.py does, then runs it on this rank of the group."""
+    """Parses and checks `argv` as train.py's `main` does, then runs it on this rank."""
     import train
 
     args = train.parse_args(argv)
     train.check_args(args, dist.get_world_size())
-    train.run(args)
-    # As train.py does before its ranks leave: nothing of this run (hooks, meshes) outlives it.
-    gc.collect()
-    dist.barrier()
+    train.run(args)  # frees the run's model and waits for every rank before it returns
