@@ -55,3 +55,13 @@ def test_installed_version_is_the_source_version(folder, dist, module) -> None:
     init = (ROOT / "packages" / folder / "src" / module / "__init__.py").read_text()
     version = re.search(r'^__version__ = "([^"]+)"', init, re.M).group(1)
     assert importlib.metadata.version(dist) == version
+
+
+def test_ci_keeps_one_torch_venv_at_a_time() -> None:
+    # Three CUDA torch venvs side by side (5-7 GB each) once filled CI's disk: the variable that
+    # makes the noxfile remove each test venv must be the one `.ci/run` sets.
+    noxfile = (ROOT / "noxfile.py").read_text()
+    read = re.search(r'os\.environ\.get\("(\w+)"\) == "1"', noxfile)
+    assert read, "noxfile.py reads no variable that drops the test venvs"
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert re.search(rf"^export {read[1]}=1$", ci, re.M), f".ci/run does not set {read[1]}"
