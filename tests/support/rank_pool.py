@@ -4,28 +4,34 @@ Spawning a process group costs seconds on 2 cores, so each world size gets one p
 whole pytest run (the `pools` fixture of the root conftest.py); `RankPool.run(fn, *args)` runs
 an importable function on every rank and returns the per-rank results, or raises with the
 failing rank's traceback. A rank that does not answer within the timeout fails the test (and
-the pool is rebuilt) instead of hanging the run.
+the pool is rebuilt) instead of hanging the run; a rank that dies (a native crash) fails it at
+once with the exit status, and faulthandler prints every thread's Python stack on the way out.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
+import signal
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 TIMEOUT_S = 180
+_POLL_S = 1.0  # how often a waiting run() checks that every rank is still alive
 
 
 def _worker(
     rank: int, world_size: int, backend: str, init_file: str, tasks: Any, results: Any
 ) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
+    faulthandler.enable(all_threads=True)  # a native crash names the Python lines it hit
     import torch
     import torch.distributed as dist
 
@@ -82,16 +88,25 @@ class RankPool:
             tasks.put((fn, args))
         results: dict[int, Any] = {}
         failures: list[str] = []
-        for _ in range(self.world_size):
+        deadline = time.monotonic() + timeout
+        while len(results) < self.world_size:
             try:
-                rank, ok, value = self._results.get(timeout=timeout)
+                rank, ok, value = self._results.get(timeout=_POLL_S)
             except queue.Empty:
-                self.broken = True
-                self.close()
-                missing = sorted(set(range(self.world_size)) - set(results))
-                raise TimeoutError(
-                    f"ranks {missing} did not finish {fn.__name__} in {timeout} s"
-                ) from None
+                dead = self._dead_ranks()
+                if dead or time.monotonic() > deadline:
+                    self.broken = True
+                    self.close()
+                    if dead:
+                        raise RuntimeError(
+                            f"{fn.__name__}: rank(s) died: {'; '.join(dead)} (their stderr, "
+                            f"above, holds faulthandler's stacks)"
+                        ) from None
+                    missing = sorted(set(range(self.world_size)) - set(results))
+                    raise TimeoutError(
+                        f"ranks {missing} did not finish {fn.__name__} in {timeout} s"
+                    ) from None
+                continue
             if ok:
                 results[rank] = value
             else:
@@ -104,6 +119,15 @@ class RankPool:
                 f"{fn.__name__} failed on {len(failures)} rank(s)\n" + "\n".join(failures)
             )
         return [results[r] for r in range(self.world_size)]
+
+    def _dead_ranks(self) -> list[str]:
+        dead = []
+        for rank, proc in enumerate(self._procs):
+            code = proc.exitcode
+            if code is not None:
+                how = signal.Signals(-code).name if code < 0 else f"exit code {code}"
+                dead.append(f"rank {rank} ({how})")
+        return dead
 
     def close(self) -> None:
         """Stops the ranks."""

@@ -44,6 +44,8 @@ _FLAGS = (
     "-pthread",
 )
 _FLOAT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_NUM_SCALARS = 7  # _blockwise.step_scalars
+_LOOKUP_SIZE = 1 << 17  # _quantize's code lookup: one entry per 15 low bits dropped
 
 
 class NativeKernelError(RuntimeError):
@@ -85,10 +87,11 @@ class CpuKernel:
         if param.dtype not in _FLOAT_DTYPES or grad.dtype != param.dtype:
             work, work_grad = param.float(), grad.float()
         work_grad = work_grad.contiguous()
-        for tensor in (work, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale):
-            if not tensor.is_contiguous():
-                raise ValueError("the CPU kernel takes contiguous pieces")
         rows, cols = work.shape
+        _check_buffers(
+            work, work_grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale, scalars, tables,
+            block,
+        )
         self.function(
             work.data_ptr(),
             work_grad.data_ptr(),
@@ -107,6 +110,52 @@ class CpuKernel:
         )
         if work is not param:
             param.copy_(work)
+
+
+def _check_buffers(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_scale: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    exp_avg_sq_scale: torch.Tensor,
+    scalars: torch.Tensor,
+    tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    block: tuple[int, int],
+) -> None:
+    """Every buffer the kernel touches through a raw pointer: dtype, device, size, layout.
+
+    The C++ side trusts its pointers, so a wrong size here would be a heap overrun in a
+    rank, which surfaces much later as an unrelated crash; it is checked before each call.
+    """
+    if param.dim() != 2:
+        raise ValueError(f"the CPU kernel takes a 2-D piece, got shape {tuple(param.shape)}")
+    rows, cols = param.shape
+    block_rows, block_cols = block
+    if block_rows <= 0 or block_cols <= 0:
+        raise ValueError(f"block must be positive, got {block}")
+    grid = -(-rows // block_rows) * -(-cols // block_cols)
+    expected = [
+        ("grad", grad, param.dtype, rows * cols),
+        ("exp_avg", exp_avg, torch.uint8, rows * cols),
+        ("exp_avg_sq", exp_avg_sq, torch.uint8, rows * cols),
+        ("exp_avg_scale", exp_avg_scale, torch.float32, grid),
+        ("exp_avg_sq_scale", exp_avg_sq_scale, torch.float32, grid),
+        ("scalars", scalars, torch.float32, _NUM_SCALARS),
+        ("signed_map", tables[0], torch.float32, 256),
+        ("unsigned_map", tables[1], torch.float32, 256),
+        ("signed_lookup", tables[2], torch.int32, _LOOKUP_SIZE),
+        ("unsigned_lookup", tables[3], torch.int32, _LOOKUP_SIZE),
+    ]
+    for name, tensor, dtype, numel in [("param", param, param.dtype, rows * cols), *expected]:
+        if tensor.dtype != dtype or tensor.numel() != numel or tensor.device.type != "cpu":
+            raise ValueError(
+                f"the CPU kernel's {name} must be {numel} {dtype} elements on cpu for a "
+                f"{rows} x {cols} piece in {block_rows} x {block_cols} blocks, got "
+                f"{tensor.numel()} {tensor.dtype} on {tensor.device}"
+            )
+        if not tensor.is_contiguous():
+            raise ValueError(f"the CPU kernel takes contiguous buffers; {name} is not")
 
 
 def _num_threads(numel: int) -> int:
