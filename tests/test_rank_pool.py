@@ -3,8 +3,8 @@
 import time
 
 import pytest
-from rank_pool import RankPool
 from pool_cases import abort_on_rank
+from rank_pool import RankPool
 
 
 def test_a_crashed_rank_fails_the_run_at_once_with_its_signal() -> None:
@@ -12,7 +12,8 @@ def test_a_crashed_rank_fails_the_run_at_once_with_its_signal() -> None:
     try:
         assert pool.run(abort_on_rank, -1) == [0, 1]  # nobody aborts: the pool works
         start = time.monotonic()
-        with pytest.raises(RuntimeError, match=r"abort_on_rank: rank\(s\) died: rank 1 \(SIGABRT\)"):
+        died = r"abort_on_rank: rank\(s\) died: rank 1 \(SIGABRT\)"
+        with pytest.raises(RuntimeError, match=died):
             pool.run(abort_on_rank, 1, timeout=120)
         assert time.monotonic() - start < 60  # not the timeout: the dead rank was noticed
         assert pool.broken

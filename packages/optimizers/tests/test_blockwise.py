@@ -175,3 +175,45 @@ def test_fused_choices(monkeypatch) -> None:
     _no_native(monkeypatch)
     with pytest.raises(RuntimeError, match=r"fused='native'\): no C\+\+ compiler found"):
         _run("native", (64, 64), torch.float32, 1)
+
+
+def test_native_kernel_refuses_buffers_it_would_overrun() -> None:
+    # The C++ side trusts its pointers: every buffer is checked before the call.
+    kernel = native.load_cpu_kernel()
+    rows, cols, block = 40, 70, (32, 32)
+    grid = 2 * 3  # row blocks x column blocks
+
+    def buffers(**changed: torch.Tensor) -> dict[str, torch.Tensor]:
+        given = {
+            "param": torch.zeros(rows, cols),
+            "grad": torch.ones(rows, cols),
+            "exp_avg": torch.zeros(rows, cols, dtype=torch.uint8),
+            "exp_avg_scale": torch.zeros(grid),
+            "exp_avg_sq": torch.zeros(rows, cols, dtype=torch.uint8),
+            "exp_avg_sq_scale": torch.zeros(grid),
+        }
+        return given | changed
+
+    scalars = blockwise.step_scalars(
+        step=1, lr=0.1, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, device=torch.device("cpu")
+    )
+    tables = blockwise.code_tables(torch.device("cpu"))
+    ok = buffers()
+    kernel(**ok, scalars=scalars, tables=tables, block=block)
+    assert ok["param"].ne(0).all()  # the well-formed call ran
+    bad = [
+        ("exp_avg_scale", torch.zeros(grid - 1), "5 torch.float32"),
+        ("exp_avg_sq", torch.zeros(rows, cols - 1, dtype=torch.uint8), "2760 torch.uint8"),
+        ("exp_avg", torch.zeros(rows, cols), "2800 torch.float32"),
+        ("grad", torch.ones(rows - 1, cols), "2730 torch.float32"),
+        ("exp_avg_sq_scale", torch.zeros(grid * 2)[::2], "contiguous"),
+    ]
+    for name, tensor, got in bad:
+        before = ok["param"].clone()
+        with pytest.raises(ValueError, match=f"{name}.*{got}"):
+            kernel(**buffers(**{name: tensor}), scalars=scalars, tables=tables, block=block)
+    with pytest.raises(ValueError, match="scalars must be 7"):
+        kernel(**ok, scalars=scalars[:6], tables=tables, block=block)
+    with pytest.raises(ValueError, match="signed_lookup must be 131072"):
+        kernel(**ok, scalars=scalars, tables=(*tables[:2], tables[2][:-1], tables[3]), block=block)
+    assert torch.equal(before, ok["param"])  # refused calls wrote nothing
