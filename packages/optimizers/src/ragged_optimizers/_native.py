@@ -88,17 +88,8 @@ class CpuKernel:
             work, work_grad = param.float(), grad.float()
         work_grad = work_grad.contiguous()
         rows, cols = work.shape
-        _check_buffers(
-            work,
-            work_grad,
-            exp_avg,
-            exp_avg_scale,
-            exp_avg_sq,
-            exp_avg_sq_scale,
-            scalars,
-            tables,
-            block,
-        )
+        moments = (exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale)
+        _check_buffers((work, work_grad, *moments, scalars, *tables), block)
         self.function(
             work.data_ptr(),
             work_grad.data_ptr(),
@@ -134,56 +125,37 @@ _BUFFER_NAMES = (
 )
 
 
-def _check_buffers(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_scale: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    exp_avg_sq_scale: torch.Tensor,
-    scalars: torch.Tensor,
-    tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-    block: tuple[int, int],
-) -> None:
+def _check_buffers(buffers: tuple[torch.Tensor, ...], block: tuple[int, int]) -> None:
     """Every buffer the kernel touches through a raw pointer: dtype, device, size, layout.
 
     The C++ side trusts its pointers, so a wrong size here would be a heap overrun in a
     rank, which surfaces much later as an unrelated crash; it is checked before each call
     (about 5 us: a few attribute reads per buffer, the message built only on failure).
+
+    Args:
+        buffers: The tensors named in `_BUFFER_NAMES`, in that order.
+        block: The quantization block (rows, cols).
     """
+    param = buffers[0]
     if param.dim() != 2:
         raise ValueError(f"the CPU kernel takes a 2-D piece, got shape {tuple(param.shape)}")
     rows, cols = param.shape
     block_rows, block_cols = block
     if block_rows <= 0 or block_cols <= 0:
         raise ValueError(f"block must be positive, got {block}")
-    grid = -(-rows // block_rows) * -(-cols // block_cols)
-    numel, f32, u8, i32 = rows * cols, torch.float32, torch.uint8, torch.int32
-    expected = (
-        (param, param.dtype, numel),
-        (grad, param.dtype, numel),
-        (exp_avg, u8, numel),
-        (exp_avg_sq, u8, numel),
-        (exp_avg_scale, f32, grid),
-        (exp_avg_sq_scale, f32, grid),
-        (scalars, f32, _NUM_SCALARS),
-        (tables[0], f32, 256),
-        (tables[1], f32, 256),
-        (tables[2], i32, _LOOKUP_SIZE),
-        (tables[3], i32, _LOOKUP_SIZE),
-    )
-    for index, (tensor, dtype, size) in enumerate(expected):
+    numel, grid = rows * cols, -(-rows // block_rows) * -(-cols // block_cols)
+    f32, u8, i32 = torch.float32, torch.uint8, torch.int32
+    dtypes = (param.dtype, param.dtype, u8, u8, f32, f32, f32, f32, f32, i32, i32)
+    sizes = (numel,) * 4 + (grid, grid, _NUM_SCALARS, 256, 256, _LOOKUP_SIZE, _LOOKUP_SIZE)
+    for name, tensor, dtype, size in zip(_BUFFER_NAMES, buffers, dtypes, sizes, strict=True):
         if tensor.dtype is dtype and tensor.numel() == size and tensor.is_cpu:
             if tensor.is_contiguous():
                 continue
-            raise ValueError(
-                f"the CPU kernel's {_BUFFER_NAMES[index]} must be contiguous (it is read by "
-                f"pointer)"
-            )
+            raise ValueError(f"the CPU kernel's {name} must be contiguous (it is read by pointer)")
         raise ValueError(
-            f"the CPU kernel's {_BUFFER_NAMES[index]} must be {size} {dtype} elements on cpu "
-            f"for a {rows} x {cols} piece in {block_rows} x {block_cols} blocks, got "
-            f"{tensor.numel()} {tensor.dtype} on {tensor.device}"
+            f"the CPU kernel's {name} must be {size} {dtype} elements on cpu for a {rows} x "
+            f"{cols} piece in {block_rows} x {block_cols} blocks, got {tensor.numel()} "
+            f"{tensor.dtype} on {tensor.device}"
         )
 
 
