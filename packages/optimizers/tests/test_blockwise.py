@@ -209,9 +209,11 @@ def test_native_kernel_refuses_buffers_it_would_overrun() -> None:
         ("exp_avg_sq_scale", torch.zeros(grid * 2)[::2], "contiguous"),
     ]
     for name, tensor, got in bad:
-        before = ok["param"].clone()
+        given = buffers(**{name: tensor})
         with pytest.raises(ValueError, match=f"{name}.*{got}"):
-            kernel(**buffers(**{name: tensor}), scalars=scalars, tables=tables, block=block)
+            kernel(**given, scalars=scalars, tables=tables, block=block)
+        assert given["param"].eq(0).all(), name  # refused before the kernel wrote anything
+    before = ok["param"].clone()
     with pytest.raises(ValueError, match="scalars must be 7"):
         kernel(**ok, scalars=scalars[:6], tables=tables, block=block)
     with pytest.raises(ValueError, match="signed_lookup must be 131072"):

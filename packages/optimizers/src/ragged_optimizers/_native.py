@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from ragged_optimizers._quantize import _KEY_MASK
+
 _SOURCE = Path(__file__).with_name("_adamw8bit_cpu.cpp")
 # -ffp-contract=off: no FMA contraction (the eager path rounds every product); -march=native:
 # gathers and wide vectors where this CPU has them (the cache key holds the CPU's flags).
@@ -45,7 +47,7 @@ _FLAGS = (
 )
 _FLOAT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _NUM_SCALARS = 7  # _blockwise.step_scalars
-_LOOKUP_SIZE = 1 << 17  # _quantize's code lookup: one entry per 15 low bits dropped
+_LOOKUP_SIZE = _KEY_MASK + 1  # entries of _quantize.code_lookup
 
 
 class NativeKernelError(RuntimeError):
