@@ -20,7 +20,9 @@ def test_training_matches_reference_and_fsdp2(pools, world, variant) -> None:
     "variant", [v for v in cases.VARIANTS if v not in ("dense", "moe", "hsdp")]
 )
 def test_feature_matches_reference_and_fsdp2(pools, variant) -> None:
-    pools[3].run(cases.check_training, variant)
+    result = pools[3].run(cases.check_training, variant)[0]
+    if variant == "bf16":  # `pytest -s` prints how close to fp32 ours is, against FSDP2
+        print(f"bf16, our distance from fp32 over FSDP2's: {result['bf16 ratios']}")
 
 
 def test_hsdp_2x2(pools) -> None:

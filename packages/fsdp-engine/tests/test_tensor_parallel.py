@@ -19,7 +19,7 @@ sound_embedding_tp = pytest.mark.skipif(
 @pytest.mark.parametrize("precision", ["fp64", "fp32", "bf16"])
 def test_dp2_tp2_matches_one_process_and_fsdp2(pools, seq_parallel, precision) -> None:
     result = pools[4].run(cases.check_training, (2, 2), seq_parallel, precision)[0]
-    print(f"dp2 x tp2 {precision} sp={seq_parallel}: {result['max_abs_diff']}")
+    print(f"dp2 x tp2 {precision} sp={seq_parallel}: {result['record']}")
 
 
 @sound_embedding_tp
@@ -30,7 +30,7 @@ def test_dp2_tp2_matches_one_process_and_fsdp2(pools, seq_parallel, precision) -
 )
 def test_other_meshes_match_one_process_and_fsdp2(pools, world, shape) -> None:
     result = pools[world].run(cases.check_training, shape, True, "fp64")[0]
-    print(f"{shape} fp64: {result['max_abs_diff']}")
+    print(f"{shape} fp64: {result['record']}")
 
 
 @sound_embedding_tp

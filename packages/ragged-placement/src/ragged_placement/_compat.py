@@ -28,7 +28,7 @@ at each call:
   before anything else: elementwise `_foreach_*` ops get a handler that runs RaggedShard lists
   on their local tensors (`_foreach.py`) and hands every other call back to the dispatcher
   with the handler lifted for that call (`dispatch_without_handler`).
-Supported: torch 2.10 to 2.15 (`nox -s tests` runs 2.10, 2.13 and 2.15; `tests-all` every
+Supported: torch 2.10 to 2.15 (CI runs the tests on 2.10 and 2.15, `nox -s tests` on every
 minor). Where they differ, the choice is made once at import by feature (does the name exist),
 not by version compares. Other versions are refused at import with a
 clear error rather than risking silent misbehaviour (`check_torch_version`, which dbuffer and
