@@ -23,7 +23,9 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-TIMEOUT_S = 180
+# How long a check may run on every rank (RANK_POOL_TIMEOUT_S shortens it while debugging a
+# hang: the ranks' tracebacks come out sooner).
+TIMEOUT_S = int(os.environ.get("RANK_POOL_TIMEOUT_S", "180"))
 _POLL_S = 1.0  # how often a waiting run() checks that every rank is still alive
 
 
@@ -103,8 +105,11 @@ class RankPool:
                             f"above, holds faulthandler's stacks)"
                         ) from None
                     missing = sorted(set(range(self.world_size)) - set(results))
+                    # A rank that failed often leaves the others waiting on a collective:
+                    # its traceback says why they did not finish.
                     raise TimeoutError(
                         f"ranks {missing} did not finish {fn.__name__} in {timeout} s"
+                        + "".join(f"\n{failure}" for failure in failures)
                     ) from None
                 continue
             if ok:

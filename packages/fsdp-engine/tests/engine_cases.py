@@ -311,8 +311,8 @@ def check_fsdp_module_methods() -> None:
         _expect(NotImplementedError, lambda n=name: getattr(layer, n)(None), "does not support")
     _expect(NotImplementedError, layer.set_symm_mem_for_comm, "symmetric memory")
     _expect(NotImplementedError, lambda: layer.set_keep_unsharded_storage(True), "frees")
-    _expect(NotImplementedError, lambda: model.set_manual_backward_finalization(True), "queues")
-    _expect(NotImplementedError, model.finalize_backward, "finalizes itself")
+    _expect(NotImplementedError, lambda: layer._set_unshard_async_op(True), "current stream")
+    _expect(NotImplementedError, layer._get_fsdp_state, "no torch FSDPState")
     _expect(
         NotImplementedError,
         lambda: layer.set_allocate_memory_from_process_group_for_comm(True),
@@ -333,11 +333,25 @@ def check_fsdp_module_methods() -> None:
     scaled = _grads_after_backward(model, tokens)
     for name, grad in reference.items():
         torch.testing.assert_close(scaled[name], grad * world / 2.0, msg=name)
-    # set_all_reduce_hook sees each reduced flat shard.
-    seen: list[int] = []
-    model.set_all_reduce_hook(lambda t: seen.append(t.numel()))
+    # set_all_reduce_hook sees each reduced flat shard of its own module's group only (not
+    # recursive, as FSDP2's): on the root once per backward, on every module three times.
+    seen: list[str] = []
+    model.set_all_reduce_hook(lambda t: seen.append("root"))
     _grads_after_backward(model, tokens)
-    assert len(seen) == 3, seen
+    assert seen == ["root"], seen
+    for index, block in enumerate(model.layers):
+        block.set_all_reduce_hook(lambda t, i=index: seen.append(f"layer {i}"))
+    seen.clear()
+    _grads_after_backward(model, tokens)
+    assert sorted(seen) == ["layer 0", "layer 1", "root"], seen
+    # Containers as FSDP2 has them: a slice of a sharded Sequential is a plain Sequential
+    # over the same modules; deepcopy of a sharded module is refused, naming the fix.
+    seq = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    fully_shard(seq, mesh=mesh)
+    head = seq[0:2]
+    assert type(head) is nn.Sequential and list(head) == list(seq)[:2], type(head)
+    _expect(TypeError, lambda: copy.deepcopy(seq), "deepcopy the model before fully_shard")
+    _expect(TypeError, lambda: copy.deepcopy(model), "deepcopy the model before fully_shard")
     # reset_iter_state, set_is_last_backward, set_reshard_after_* and unshard_in_backward.
     model.reset_iter_state()
     model.set_reshard_after_forward(False)  # check_schedule_setters: what it does

@@ -116,13 +116,42 @@ def test_apply_override_sees_every_conversion() -> None:
     assert plain.double().weight.dtype == torch.float64  # the default just applies
 
 
-def test_every_fsdp2_module_method_exists() -> None:
-    # On every supported torch, each public FSDPModule method is ours too (working or raising
-    # NotImplementedError with the reason).
+def test_ours_is_torchs_fsdp_module_and_overrides_every_method() -> None:
+    # On every supported torch our FSDPModule is a subclass of torch's, and each method torch's
+    # class defines (public or private) is defined by ours: working, or raising
+    # NotImplementedError with the reason. None falls through to torch's FSDP2 code.
     from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
     import fsdp_engine
 
-    public = [name for name in vars(TorchFSDPModule) if not name.startswith("_")]
-    missing = [name for name in public if not hasattr(fsdp_engine.FSDPModule, name)]
-    assert len(public) >= 15 and not missing, missing  # 18 on torch 2.10-2.12, 26 on 2.15
+    assert issubclass(fsdp_engine.FSDPModule, TorchFSDPModule)
+    names = _compat.torch_fsdp_methods()
+    assert len(names) >= 20 and {"unshard", "__new__", "_apply"} <= set(names), names
+    ours = {name for cls in (fsdp_engine.FSDPModule, _compat.ApplyOverride) for name in vars(cls)}
+    assert not [n for n in names if n not in ours], sorted(set(names) - ours)
+    for name in names:
+        assert getattr(fsdp_engine.FSDPModule, name) is not getattr(TorchFSDPModule, name), name
+    public = [name for name in names if not name.startswith("_")]
+    assert len(public) >= 18  # 18 on torch 2.10, 26 on 2.15
+
+
+def test_fully_shard_state_reaches_ours_where_pipelining_reads_it() -> None:
+    # torch 2.10-2.14's pipeline stages call `fully_shard.state(stage)` and run what it holds;
+    # 2.15's call finalize_backward instead, and nothing is registered.
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    calls: list[str] = []
+    module = torch.nn.Linear(2, 2)
+    _compat.set_fully_shard_state(
+        module, lambda: [lambda: calls.append("post"), None], lambda: calls.append("final")
+    )
+    view = torch_fully_shard.state(module)  # type: ignore[attr-defined]
+    if not _compat.PIPELINE_USES_STATE:
+        assert view is None and hasattr(_compat.TorchFSDPModule, "finalize_backward")
+        return
+    for state in view._state_ctx.all_states:  # what torch 2.11-2.14's stage does
+        for group in state._fsdp_param_groups:
+            group.post_backward()
+    assert [s._fsdp_param_group is not None for s in view._state_ctx.all_states] == [True, False]
+    view._root_post_backward_final_callback()
+    assert calls == ["post", "final"], calls

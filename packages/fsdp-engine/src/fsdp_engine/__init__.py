@@ -21,7 +21,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from fsdp_engine._api import fully_shard, register_fsdp_forward_method
 from fsdp_engine._clip import clip_grad_norm_
-from fsdp_engine._module import FSDPModule, UnshardHandle
+from fsdp_engine._module import FSDPModule, GradientReductionHandle, UnshardHandle
 from fsdp_engine._summary import GroupSummary, sharding_summary
 
 __version__ = "0.1.0"
@@ -29,6 +29,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CPUOffloadPolicy",
     "FSDPModule",
+    "GradientReductionHandle",
     "GroupSummary",
     "MixedPrecisionPolicy",
     "OffloadPolicy",

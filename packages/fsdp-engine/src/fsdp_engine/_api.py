@@ -14,7 +14,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor, Shard
 
 from dbuffer import DBuffer
-from fsdp_engine._compat import parameter_slots
+from fsdp_engine._compat import parameter_slots, set_fully_shard_state
 from fsdp_engine._config import GroupConfig
 from fsdp_engine._group import Location, ManagedParam, ParallelSpec, ParamGroup
 from fsdp_engine._module import FSDPModule, state_of
@@ -389,6 +389,7 @@ def _install(module: nn.Module, state: FSDPState) -> None:
 
     module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(post_forward, prepend=False)
+    set_fully_shard_state(module, state.post_backwards_under_root, state.end_of_iteration)
     # state_dict() and load_state_dict() see (and load into) the sharded parameters.
     module.register_state_dict_pre_hook(lambda *_: _reshard(state))  # type: ignore[no-untyped-call]
     module.register_load_state_dict_pre_hook(lambda *_: _reshard(state))  # type: ignore[no-untyped-call]

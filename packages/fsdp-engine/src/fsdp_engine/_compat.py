@@ -19,6 +19,15 @@
 - `profiler_range(name)`: `torch.profiler.record_function(name)` only while a profiler runs
   (`torch._C._autograd._profiler_enabled`): a range costs ~8 us even with no profiler, and
   a step enters a few per group.
+- `TorchFSDPModule`, `TorchUnshardHandle`, `TorchGradientReductionHandle`: torch's public
+  FSDP2 classes, which ours subclass so that `isinstance` checks in torch and in frameworks
+  find our modules (the last is torch 2.15's; None before).
+- `torch_fsdp_methods()`: the methods torch's `FSDPModule` defines on this torch, so that the
+  engine can check it overrides every one (none may run torch's FSDP2 code on our state).
+- `set_fully_shard_state(module, view)`: what `torch.distributed.fsdp.fully_shard.state(module)`
+  returns (the private registry of torch's composable APIs). torch 2.10-2.14's pipeline stages
+  call that on an FSDPModule to run its post-backward at the end of a schedule; 2.15's use
+  `finalize_backward` instead (`PIPELINE_USES_STATE`).
 Tested on the torch versions `ragged_placement.SUPPORTED_TORCH` names; others are refused at
 import.
 """
@@ -27,11 +36,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed.fsdp as torch_fsdp
 from torch import nn
 from torch.profiler import record_function
 from torch.utils import _pytree as pytree
@@ -39,13 +51,29 @@ from torch.utils import _pytree as pytree
 from ragged_placement import check_torch_version
 
 __all__ = [
+    "PIPELINE_USES_STATE",
     "ApplyOverride",
+    "TorchFSDPModule",
+    "TorchGradientReductionHandle",
+    "TorchUnshardHandle",
     "in_backward",
     "map_tensors",
     "parameter_slots",
     "profiler_range",
     "queue_backward_callback",
+    "set_fully_shard_state",
+    "torch_fsdp_methods",
 ]
+
+TorchFSDPModule = torch_fsdp.FSDPModule
+TorchUnshardHandle = torch_fsdp.UnshardHandle
+if TYPE_CHECKING:  # type-checked against a torch that may predate it
+    TorchGradientReductionHandle = object
+else:
+    TorchGradientReductionHandle = getattr(torch_fsdp, "GradientReductionHandle", object)
+# torch 2.15 added finalize_backward, and its pipeline stages call it instead of reaching into
+# `fully_shard.state(module)`.
+PIPELINE_USES_STATE = not hasattr(TorchFSDPModule, "finalize_backward")
 
 
 def queue_backward_callback(fn: Callable[[], None]) -> None:
@@ -114,7 +142,13 @@ class ApplyOverride:
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         def apply() -> Any:
-            return super(ApplyOverride, self)._apply(fn, recurse)  # type: ignore[misc]
+            # The next `_apply` in the class's MRO (nn.Module's, or the module class's own),
+            # skipping torch's FSDPModule, whose `_apply` works on FSDP2's state.
+            mro = type(self).__mro__
+            for cls in mro[mro.index(ApplyOverride) + 1 :]:
+                if cls is not TorchFSDPModule and "_apply" in vars(cls):
+                    return vars(cls)["_apply"](self, fn, recurse)
+            raise AssertionError(f"no _apply in {mro}")  # nn.Module always has one
 
         return self._fsdp_convert(fn, apply)
 
@@ -125,6 +159,88 @@ _NO_RANGE = nullcontext()
 def profiler_range(name: str) -> AbstractContextManager[object]:
     """A profiler range named `name` while a profiler runs, else a no-op context."""
     return record_function(name) if torch._C._autograd._profiler_enabled() else _NO_RANGE
+
+
+def torch_fsdp_methods() -> list[str]:
+    """The names of the methods torch's `FSDPModule` defines (public and private)."""
+    skip = {"__dict__", "__doc__", "__module__", "__qualname__", "__weakref__"}
+    return sorted(
+        name
+        for name, value in vars(TorchFSDPModule).items()
+        if name not in skip
+        and (callable(value) or isinstance(value, staticmethod | classmethod | property))
+    )
+
+
+class _KeyProbe(dict[Any, Any]):
+    """Records the key `fully_shard.state` looks a module's state up by."""
+
+    key: Any = None
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self.key = key
+        return default
+
+
+@functools.cache
+def _fully_shard_state_key() -> Any:
+    from torch.distributed._composable.contract import STATE_KEY
+
+    module = nn.Module()
+    probe = _KeyProbe()
+    module.__dict__[STATE_KEY] = probe
+    torch_fsdp.fully_shard.state(module)  # type: ignore[attr-defined]
+    return STATE_KEY, probe.key
+
+
+class _GroupView:
+    """One FSDP state as torch's pipeline stage sees it: `._fsdp_param_group(s)`."""
+
+    def __init__(self, post_backward: Callable[[], None] | None) -> None:
+        self._post_backward = post_backward
+        self._fsdp_param_group = self if post_backward is not None else None  # torch 2.10
+        self._fsdp_param_groups = [self] if post_backward is not None else []  # 2.11-2.14
+
+    def post_backward(self) -> None:
+        assert self._post_backward is not None
+        self._post_backward()
+
+
+class _StateView:
+    """`fully_shard.state(root)` as torch 2.10-2.14's pipeline stages use it."""
+
+    def __init__(
+        self,
+        post_backwards: Callable[[], list[Callable[[], None] | None]],
+        final_callback: Callable[[], None],
+    ) -> None:
+        self._post_backwards = post_backwards
+        self._root_post_backward_final_callback = final_callback
+
+    @property
+    def _state_ctx(self) -> SimpleNamespace:
+        # torch's FSDPStateContext, of which the stage reads `all_states` only.
+        return SimpleNamespace(all_states=[_GroupView(fn) for fn in self._post_backwards()])
+
+
+def set_fully_shard_state(
+    module: nn.Module,
+    post_backwards: Callable[[], list[Callable[[], None] | None]],
+    final_callback: Callable[[], None],
+) -> None:
+    """Makes `torch.distributed.fsdp.fully_shard.state(module)` drive ours (torch < 2.15).
+
+    Args:
+        module: A module fully_shard applied to.
+        post_backwards: Returns, for every FSDP state under the module's root, its
+            post-backward (None for a state without parameters).
+        final_callback: What runs at the end of backward (wait for the reduces, hand out
+            the gradients, reset the iteration).
+    """
+    if not PIPELINE_USES_STATE:
+        return
+    state_key, key = _fully_shard_state_key()
+    module.__dict__.setdefault(state_key, {})[key] = _StateView(post_backwards, final_callback)
 
 
 check_torch_version("fsdp_engine")

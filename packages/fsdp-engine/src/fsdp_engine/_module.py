@@ -1,26 +1,39 @@
 """FSDPModule: the mixin `fully_shard` swaps into a module's class, with FSDP2's methods.
 
-Every method of torch's `FSDPModule` exists here with the same name, arguments and recurse
-semantics; each one works or raises NotImplementedError naming the reason (the README's
-parity table lists them). The state lives in `module._fsdp_engine_state` (`_state.py`).
+It subclasses torch's `FSDPModule`, so `isinstance(m, torch.distributed.fsdp.FSDPModule)`
+holds for every module ours shards: torch's pipeline schedules, torchtitan, torchft and
+accelerate find our modules the way they find FSDP2's and call these methods. Every method of
+torch's class is overridden here with the same name, arguments and recurse semantics (checked
+when this module is imported: none may fall through to torch's code, which would read an FSDP2
+state ours does not have); each one works or raises NotImplementedError naming the reason (the
+README's parity table lists them). The state lives in `module._fsdp_engine_state`
+(`_state.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from fsdp_engine._compat import ApplyOverride, parameter_slots
+from fsdp_engine._compat import (
+    ApplyOverride,
+    TorchFSDPModule,
+    TorchGradientReductionHandle,
+    TorchUnshardHandle,
+    in_backward,
+    parameter_slots,
+    torch_fsdp_methods,
+)
 from fsdp_engine._group import move_storage
 from fsdp_engine._state import STATE_ATTR, FSDPState, states_under
 
 
-class UnshardHandle:
+class UnshardHandle(TorchUnshardHandle):
     """A pending `unshard(async_op=True)`; `wait()` makes the gathered parameters usable.
 
     Example:
@@ -37,6 +50,29 @@ class UnshardHandle:
         state, self._state = self._state, None
         if state is not None and state.group is not None and state.group.is_unsharded:
             state.group.wait_for_unshard()
+
+
+class GradientReductionHandle(TorchGradientReductionHandle):
+    """A pending `finalize_backward(async_op=True)`; `wait()` hands out the gradients.
+
+    Example:
+        >>> model = fully_shard(model)
+        >>> model.set_manual_backward_finalization(True)
+        >>> model(torch.randn(2, 8)).sum().backward()
+        >>> handle = model.finalize_backward(async_op=True)  # the reduces are in flight
+        >>> handle.wait()
+        >>> model.layers[0].weight.grad is not None
+        True
+    """
+
+    def __init__(self, wait: Callable[[], None] | None) -> None:
+        self._wait = wait
+
+    def wait(self) -> None:
+        """Waits for the reduces and hands out the sharded gradients (idempotent)."""
+        wait, self._wait = self._wait, None
+        if wait is not None:
+            wait()
 
 
 def state_of(module: nn.Module) -> FSDPState:
@@ -69,23 +105,33 @@ def _not_supported(method: str, reason: str) -> NotImplementedError:
     return NotImplementedError(f"fsdp_engine does not support {method}: {reason}")
 
 
-class FSDPModule(ApplyOverride):
+class FSDPModule(ApplyOverride, TorchFSDPModule):
     """Mixin of every module `fully_shard` was applied to (its class becomes FSDP<Name>).
 
+    A subclass of torch's `FSDPModule`: code that looks for FSDP2 modules finds these.
+
     Example:
+        >>> import torch.distributed.fsdp
         >>> model = fully_shard(model)
-        >>> isinstance(model, FSDPModule), type(model).__name__
+        >>> isinstance(model, torch.distributed.fsdp.FSDPModule), type(model).__name__
         (True, 'FSDPNet')
         >>> model.set_requires_gradient_sync(False)
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        # Containers that build a new instance of their own class (ModuleList slicing) get
-        # the original class, not an FSDP module without state.
-        orig: Any = cls.__mro__[2]
+        # Containers that build a new instance of their own class (a slice of a sharded
+        # ModuleList or Sequential) get the original class, not an FSDP module without state.
+        orig: Any = cls.__bases__[-1] if cls.__bases__[0] is FSDPModule else nn.Module
         self = orig.__new__(orig)
         self.__init__(*args, **kwargs)
         return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        raise TypeError(
+            f"copy.deepcopy of a sharded {type(self).__name__} is not supported: its "
+            f"parameters are views of the group's buffers; deepcopy the model before "
+            f"fully_shard, or build a new one and load its state dict"
+        )
 
     # -- unshard / reshard --------------------------------------------------------------------
 
@@ -130,7 +176,10 @@ class FSDPModule(ApplyOverride):
     # -- gradient synchronization -------------------------------------------------------------
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Whether the next backward waits for its reduce-scatters and sets the `.grad`s."""
+        """Whether the next backward waits for its reduce-scatters and sets the `.grad`s.
+
+        Manual finalization (`set_manual_backward_finalization`) supersedes it.
+        """
         state = state_of(self)  # type: ignore[arg-type]
         value = _check_bool("is_last_backward", is_last_backward)
         state.set_context_setting("is_last_backward", value)
@@ -183,14 +232,20 @@ class FSDPModule(ApplyOverride):
     def set_all_reduce_hook(
         self, hook: Callable[[torch.Tensor], None], *, stream: Any = None
     ) -> None:
-        """Runs `hook(local_grad)` on each reduced flat gradient shard.
+        """Runs `hook(local_grad)` on each reduced flat gradient shard of this module's group.
 
-        It runs after the HSDP all-reduce and before the sharded `.grad`s are handed out, on
-        the current stream; `stream` is accepted for FSDP2 compatibility.
+        Not recursive (as FSDP2): other groups keep their own hook. It runs after the
+        reduce-scatter, or after the all-reduce over the replicate axis with HSDP, and before
+        the sharded `.grad`s are handed out, on the current stream; `stream` is accepted for
+        FSDP2 compatibility. torchft installs its cross-replica all-reduce this way.
+
+        Example:
+            >>> model = fully_shard(model)
+            >>> model.set_all_reduce_hook(lambda shard: shard.mul_(0.5))
         """
         if not callable(hook):
             raise TypeError(f"hook must be callable, got {hook!r}")
-        _configure(self, True, all_reduce_hook=hook)
+        _configure(self, False, all_reduce_hook=hook)
 
     def set_reduce_scatter_max_input_buffers(
         self, max_input_buffers: int, *, recurse: bool = True
@@ -230,12 +285,15 @@ class FSDPModule(ApplyOverride):
         value = _check_bool("unshard_in_backward", unshard_in_backward)
         _configure(self, False, unshard_in_backward=value)
 
-    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
-        """Gather these modules' groups asynchronously when this module's forward starts."""
+    def set_modules_to_forward_prefetch(self, modules: Sequence[TorchFSDPModule]) -> None:
+        """Gather these modules' groups asynchronously when this module's forward starts.
+
+        Modules of this engine only (an FSDP2 module raises).
+        """
         targets = _prefetch_states(modules)
         _configure(self, False, forward_prefetch=targets)
 
-    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+    def set_modules_to_backward_prefetch(self, modules: Sequence[TorchFSDPModule]) -> None:
         """Gather these modules' groups asynchronously when this module's backward starts."""
         targets = _prefetch_states(modules)
         _configure(self, False, backward_prefetch=targets)
@@ -298,19 +356,77 @@ class FSDPModule(ApplyOverride):
         )
 
     def set_manual_backward_finalization(self, enabled: bool) -> None:
-        """Not supported: the engine finalizes backward in its own end-of-backward callback."""
+        """Whether backward passes leave the iteration open until `finalize_backward()`.
+
+        Call it on the root before backward (torch's pipeline stages do, per micro-batch).
+        Each backward pass then runs the post-backward of the groups it reached (reducing or
+        accumulating per `set_requires_gradient_sync`) and keeps the iteration open;
+        `finalize_backward()` reduces what is left and hands out the sharded gradients.
+        Supersedes `set_is_last_backward`. The mode cannot change while an iteration is open.
+
+        Example:
+            >>> model = fully_shard(model)
+            >>> model.set_manual_backward_finalization(True)
+            >>> model.set_requires_gradient_sync(False)
+            >>> for micro_batch in torch.randn(2, 2, 8):
+            ...     model(micro_batch).sum().backward()
+            >>> model.set_requires_gradient_sync(True)
+            >>> model.finalize_backward()  # one reduce of both micro-batches' gradients
+        """
+        state = state_of(self)  # type: ignore[arg-type]
+        value = _check_bool("enabled", enabled)
+        context = state.context
+        if context is None:
+            state.set_context_setting("manual_finalization", value)
+            return
+        if not state.is_root:
+            raise RuntimeError(
+                f"set_manual_backward_finalization must be called on the root FSDP module, "
+                f"not on {type(self).__name__}"
+            )
+        if value != context.manual_finalization and (context.manual_active or in_backward()):
+            raise RuntimeError(
+                "set_manual_backward_finalization cannot change mode while a backward "
+                "iteration is open: call finalize_backward() (or reset_iter_state()) first"
+            )
+        context.manual_finalization = value
+
+    def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
+        """Ends the backward iteration: reduces what is left and hands out the gradients.
+
+        For manual finalization (above); after an ordinary backward it only waits for
+        reduces still in flight. A no-op before the root's first forward.
+
+        Args:
+            async_op: Return a GradientReductionHandle at once, the reduces in flight; call
+                its `wait()` before reading the gradients (the next forward waits for it).
+
+        Returns:
+            The handle if `async_op`, else None (the gradients are handed out).
+        """
+        state = state_of(self)  # type: ignore[arg-type]
+        _check_bool("async_op", async_op)
+        context = state.context
+        wait = context.finalize() if context is not None else None
+        handle = GradientReductionHandle(wait)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    # FSDP2 internals that callers reach: none has a counterpart in ours.
+    def _get_fsdp_state(self) -> Any:
         raise _not_supported(
-            "set_manual_backward_finalization",
-            "backward is finalized by the callback the root queues on autograd's engine; "
-            "deferring it to finalize_backward() is not implemented (use "
-            "set_is_last_backward(False) to defer the reduces instead)",
+            "FSDPModule._get_fsdp_state",
+            "an fsdp_engine module has no torch FSDPState (its state is an fsdp_engine "
+            "FSDPState on the module); use the FSDPModule methods",
         )
 
-    def finalize_backward(self, *, async_op: bool = False) -> None:
-        """Not supported: see set_manual_backward_finalization."""
+    def _set_unshard_async_op(self, async_op: bool) -> None:
         raise _not_supported(
-            "finalize_backward",
-            "manual backward finalization is not implemented; backward finalizes itself",
+            "FSDPModule._set_unshard_async_op",
+            "the engine gathers on the current stream; there is no separate all-gather "
+            "stream whose waits could be skipped",
         )
 
     # -- nn.Module integration ----------------------------------------------------------------
@@ -348,3 +464,25 @@ def _prefetch_states(modules: object) -> tuple[FSDPState, ...]:
             )
         states.append(state_of(module))  # type: ignore[arg-type]
     return tuple(states)
+
+
+def _refuse_unknown_methods() -> None:
+    """Every method of torch's FSDPModule that ours does not define raises, naming itself.
+
+    On the supported torch versions ours defines all of them (a test checks it); this keeps a
+    method a later torch adds from running torch's FSDP2 code on a module without its state.
+    """
+    for name in torch_fsdp_methods():
+        if any(name in vars(cls) for cls in (FSDPModule, ApplyOverride)):
+            continue
+
+        def refuse(self: object, *args: Any, _name: str = name, **kwargs: Any) -> Any:
+            raise _not_supported(
+                f"FSDPModule.{_name}",
+                f"this torch ({torch.__version__}) added it after fsdp_engine was written",
+            )
+
+        setattr(FSDPModule, name, refuse)
+
+
+_refuse_unknown_methods()

@@ -101,14 +101,52 @@ class Context:
     is_last_backward: bool = True
     reducing: list[FSDPState] = field(default_factory=list)
     post_optim_event: Any = None
+    # Manual finalization (torch 2.15's set_manual_backward_finalization): each backward pass
+    # runs the post-backward of the groups it reached and keeps the iteration open;
+    # `finalize` then reduces what is left and hands the gradients out. `manual_active`:
+    # a backward ran in this mode and `finalize` has not yet closed the iteration.
+    manual_finalization: bool = False
+    manual_active: bool = False
+    finalizing: Callable[[], None] | None = None  # the pending wait of `finalize(async)`
 
     def reset(self) -> None:
         """Forgets the iteration in progress: every group back to IDLE."""
         self.callback_queued = False
         self.reducing = []
         self.post_forward_order = []
+        self.manual_active = False
+        self.finalizing = None
         for state in self.states:
             state.reset()
+
+    def finalize(self) -> Callable[[], None]:
+        """Ends the backward iteration outside backward; returns what waits for it.
+
+        Every group whose backward started, whose forward got no backward, or whose
+        gradients were accumulated without a reduce (gradient sync off) runs its
+        post-backward now, with the settings in force (the reduces start here); the returned
+        function waits for them, hands out the sharded gradients and resets the iteration.
+        """
+        if in_backward():
+            raise RuntimeError("finalize_backward() runs after backward, not inside it")
+        if self.finalizing is not None:
+            raise RuntimeError(
+                "the previous finalize_backward(async_op=True) was not waited on: call its "
+                "handle's wait() first"
+            )
+        for state in self.states:
+            if state.needs_post_backward(manual=False) or state.needs_reduce:
+                state.close_backward_runs()
+                state.post_backward()
+            elif state.group is not None and state.config.reshard_after_backward:
+                state.group.reshard()
+
+        def wait() -> None:
+            finish_reduces(self.states)
+            self.reset()
+
+        self.finalizing = wait
+        return wait
 
 
 @dataclass(eq=False)
@@ -133,10 +171,23 @@ class FSDPState:
     _num_backward_runs_open: int = 0
     _modules_done: set[int] = field(default_factory=set)
     _post_forward_positions: list[int] = field(default_factory=list)  # in post_forward_order
+    # Gradients went into the group's gradient buffer with gradient sync off and no reduce
+    # has taken them since (a property of the buffer: it outlives the iteration).
+    needs_reduce: bool = False
     # A checkpointed recompute is under way (its first module ran). Recomputes leave the
     # training state alone: a non-reentrant one stops as soon as it has what backward needs,
     # so its post-forward may never run; the group's post-backward ends it.
     _recomputing: bool = False
+
+    def end_backward_pass(self) -> None:
+        """One backward pass of a manually finalized iteration ended: back to IDLE.
+
+        The counts of forward runs and post-backwards stay: finalize() closes the runs no
+        pass reached.
+        """
+        self.training_state = TrainingState.IDLE
+        self._num_backward_runs_open = 0
+        self._recomputing = False
 
     def reset(self) -> None:
         self.training_state = TrainingState.IDLE
@@ -146,6 +197,23 @@ class FSDPState:
         self._modules_done = set()
         self._post_forward_positions = []
         self._recomputing = False
+
+    def needs_post_backward(self, *, manual: bool) -> bool:
+        """Whether the end of a backward pass must run this group's post-backward.
+
+        Its backward started in this pass but its inputs needed no gradient (no hook tells it
+        its backward ended); or, unless finalization is manual (later passes may still reach
+        it), it ran forward and got no gradient at all. A group that ran forward for several
+        micro-batches (a pipeline schedule: all forwards, then a backward per micro-batch) is
+        in PRE_BACKWARD again in each later pass.
+        """
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            return True
+        return not manual and self._num_post_backwards < self._num_forward_runs
+
+    def close_backward_runs(self) -> None:
+        """Backward is over: no run of this group is still open."""
+        self._num_backward_runs_open = 0
 
     @property
     def label(self) -> str:
@@ -236,6 +304,10 @@ class FSDPState:
         return args, kwargs
 
     def _start_root_forward(self, context: Context) -> None:
+        if context.finalizing is not None:
+            # finalize_backward(async_op=True) whose handle was not waited on: its reduces
+            # must land before this iteration's gradients.
+            context.finalizing()
         if context.post_optim_event is not None:
             # The optimizer step recorded this event: the gathers must see its writes.
             context.post_optim_event.wait()
@@ -354,7 +426,9 @@ class FSDPState:
                 self._limit_reduces_in_flight(context)
             group.collect_gradients()
             if not config.requires_gradient_sync:
+                self.needs_reduce = True
                 return
+            self.needs_reduce = False
             if group.has_reduce:
                 # A reduce from a backward that was not the last (set_is_last_backward):
                 # finish it first, so that this one adds to its gradients.
@@ -367,6 +441,16 @@ class FSDPState:
         while len(context.reducing) >= self.config.max_reduces_in_flight:
             context.reducing.pop(0).wait_for_reduce()
 
+    def post_backwards_under_root(self) -> list[Callable[[], None] | None]:
+        """Each FSDP state's post-backward under this state's root (None: no parameters)."""
+        states = self.context.states if self.context is not None else states_under(self.modules)
+        return [s.post_backward if s.group is not None else None for s in states]
+
+    def end_of_iteration(self) -> None:
+        """The end-of-backward work, run by a caller after backward (a pipeline stage)."""
+        if self.context is not None:
+            self._end_of_backward()
+
     def wait_for_reduce(self) -> None:
         if self.group is not None:
             self.group.wait_for_reduce(self.config)
@@ -374,13 +458,20 @@ class FSDPState:
     def _end_of_backward(self) -> None:
         context = self.context
         assert context is not None
+        manual = context.manual_finalization
         with profiler_range("FSDP::end_of_backward"):
             for state in context.states:
-                if state._num_post_backwards < state._num_forward_runs:
-                    state._num_backward_runs_open = 0  # backward is over: none is still open
+                if state.needs_post_backward(manual=manual):
+                    state.close_backward_runs()
                     state.post_backward()
                 elif state.group is not None and state.config.reshard_after_backward:
                     state.group.reshard()  # e.g. prefetched but never run
+            if manual:  # the iteration stays open until finalize(): only this pass ends
+                context.manual_active = True
+                context.callback_queued = False
+                for state in context.states:
+                    state.end_backward_pass()
+                return
             if context.is_last_backward:
                 finish_reduces(context.states)
                 context.reducing = []
