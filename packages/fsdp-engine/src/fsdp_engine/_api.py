@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, overload
 
@@ -16,14 +17,36 @@ from torch.distributed.tensor import DTensor, Shard
 from dbuffer import DBuffer
 from fsdp_engine._compat import parameter_slots, set_fully_shard_state
 from fsdp_engine._config import GroupConfig
-from fsdp_engine._group import Location, ManagedParam, ParallelSpec, ParamGroup
+from fsdp_engine._group import (
+    Location,
+    ManagedParam,
+    ParallelSpec,
+    ParamGroup,
+    adopt_assigned,
+)
 from fsdp_engine._module import FSDPModule, state_of
-from fsdp_engine._state import STATE_ATTR, FSDPState, states_under
+from fsdp_engine._state import STATE_ATTR, FSDPState
+from ragged_placement import RaggedShard
 
 BlockRowsArg = int | Mapping[str, int] | Callable[[str, nn.Parameter], int] | None
 M = TypeVar("M", bound=nn.Module)
 
 _CLASS_CACHE: dict[type, type] = {}
+# Every parameter a group took, as given to fully_shard: id -> (weak reference, the group's
+# label). A later call that meets one (a weight tied across groups) raises. By id, as tensors
+# compare elementwise; weakly, so that a dropped model leaves nothing behind.
+_MANAGED: dict[int, tuple[weakref.ref[nn.Parameter], str]] = {}
+
+
+def _managed_by(param: nn.Parameter) -> str | None:
+    """The label of the group that took `param`, if any."""
+    entry = _MANAGED.get(id(param))
+    return entry[1] if entry is not None and entry[0]() is param else None
+
+
+def _record_managed(param: nn.Parameter, label: str) -> None:
+    key = id(param)
+    _MANAGED[key] = (weakref.ref(param, lambda _: _MANAGED.pop(key, None)), label)
 
 
 @overload
@@ -201,11 +224,6 @@ class _Found:
 
 def _collect_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]) -> _Found:
     found = _Found()
-    taken: dict[nn.Parameter, str] = {}  # managed by nested groups -> their owner's class
-    for state in states_under(modules):
-        if state.group is not None:
-            for original in state.group.originals:
-                taken[original] = state.group.label
     for index, mod in enumerate(modules):
         prefix = f"{index}." if len(modules) > 1 else ""
         for sub_name, sub in _modules_outside_groups(mod):
@@ -213,11 +231,15 @@ def _collect_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]) 
                 if param is None or param in ignored:
                     continue
                 fqn = prefix + (f"{sub_name}.{attr}" if sub_name else attr)
-                if param in taken:
+                owner = _managed_by(param)
+                if owner is not None:
+                    # A weight tied across groups (nested, or siblings such as an embedding
+                    # and an output head sharded apart): two copies would drift apart.
                     raise ValueError(
                         f"parameter {fqn!r} is shared with a group already sharded by "
-                        f"fully_shard on a {taken[param]}; a parameter may belong to one "
-                        f"group only: call fully_shard on a module that holds every use"
+                        f"fully_shard on a {owner}; a parameter may belong to one "
+                        f"group only: call fully_shard on a module that holds every use "
+                        f"(e.g. [embedding, output] as one group, or their parent)"
                     )
                 _check_param(fqn, param)
                 if param not in found.names:
@@ -249,6 +271,12 @@ def _check_param(fqn: str, param: nn.Parameter) -> None:
             f"one dim: make it shape (1,)"
         )
     data = param.data
+    if isinstance(data, DTensor) and any(isinstance(p, RaggedShard) for p in data.placements):
+        raise ValueError(
+            f"parameter {fqn!r} is already sharded by fully_shard (a RaggedShard DTensor): a "
+            f"weight tied to a sharded group's parameter after fully_shard; tie weights "
+            f"before fully_shard and shard every use in one group"
+        )
     if isinstance(data, DTensor):  # tensor / expert parallel: DBuffer shards its local piece
         with torch.no_grad():
             data = data.to_local()
@@ -342,7 +370,8 @@ def _build_group(
         parallel = ParallelSpec.of(param) if isinstance(param, DTensor) else None
         managed.append(ManagedParam(name, found.locations[param], buffer, sharded, parallel))
     group = ParamGroup(managed, mesh, mp_policy, label)
-    group.originals.update(found.names)
+    for param in found.names:
+        _record_managed(param, label)
     group.reshard()  # registers the sharded parameters
     return group
 
@@ -390,14 +419,21 @@ def _install(module: nn.Module, state: FSDPState) -> None:
     module.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(post_forward, prepend=False)
     set_fully_shard_state(module, state.post_backwards_under_root, state.end_of_iteration)
-    # state_dict() and load_state_dict() see (and load into) the sharded parameters.
+    # state_dict() and load_state_dict() see (and load into) the sharded parameters; what
+    # load_state_dict(assign=True) puts in their place is copied into them.
     module.register_state_dict_pre_hook(lambda *_: _reshard(state))  # type: ignore[no-untyped-call]
     module.register_load_state_dict_pre_hook(lambda *_: _reshard(state))  # type: ignore[no-untyped-call]
+    module.register_load_state_dict_post_hook(lambda mod, _: _adopt(state, mod))  # type: ignore[no-untyped-call]
 
 
 def _reshard(state: FSDPState) -> None:
     if state.group is not None:
         state.group.reshard()
+
+
+def _adopt(state: FSDPState, module: nn.Module) -> None:
+    if state.group is not None:
+        adopt_assigned(state.group, set(module.modules()))
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

@@ -24,6 +24,10 @@
   find our modules (the last is torch 2.15's; None before).
 - `torch_fsdp_methods()`: the methods torch's `FSDPModule` defines on this torch, so that the
   engine can check it overrides every one (none may run torch's FSDP2 code on our state).
+- `post_accumulate_grad_hooks(params)`: the hooks `Tensor.register_post_accumulate_grad_hook`
+  registered on each parameter (torch keeps them in `_post_accumulate_grad_hooks`); autograd
+  runs them on the gathered parameter's gradient, which is not the sharded one, so the engine
+  runs them once the sharded `.grad` is handed out, as FSDP2 does.
 - `set_fully_shard_state(module, view)`: what `torch.distributed.fsdp.fully_shard.state(module)`
   returns (the private registry of torch's composable APIs). torch 2.10-2.14's pipeline stages
   call that on an FSDPModule to run its post-backward at the end of a schedule; 2.15's use
@@ -59,6 +63,7 @@ __all__ = [
     "in_backward",
     "map_tensors",
     "parameter_slots",
+    "post_accumulate_grad_hooks",
     "profiler_range",
     "queue_backward_callback",
     "set_fully_shard_state",
@@ -159,6 +164,18 @@ _NO_RANGE = nullcontext()
 def profiler_range(name: str) -> AbstractContextManager[object]:
     """A profiler range named `name` while a profiler runs, else a no-op context."""
     return record_function(name) if torch._C._autograd._profiler_enabled() else _NO_RANGE
+
+
+def post_accumulate_grad_hooks(
+    params: list[nn.Parameter],
+) -> list[tuple[nn.Parameter, list[Callable[[nn.Parameter], None]]]]:
+    """Each parameter that has post-accumulate-grad hooks, with its hooks in order."""
+    found = []
+    for param in params:
+        hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+        if hooks:
+            found.append((param, list(hooks.values())))
+    return found
 
 
 def torch_fsdp_methods() -> list[str]:

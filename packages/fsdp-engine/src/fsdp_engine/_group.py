@@ -15,7 +15,6 @@ RaggedShard DTensor view of `local_grad`, accumulated across iterations until th
 from __future__ import annotations
 
 import itertools
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -29,8 +28,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
 from dbuffer import DBuffer, Handle
-from fsdp_engine._compat import parameter_slots, profiler_range
+from fsdp_engine._compat import parameter_slots, post_accumulate_grad_hooks, profiler_range
 from fsdp_engine._config import GroupConfig
+from ragged_placement import flat_range
 
 Location = tuple[nn.Module, str]
 
@@ -115,9 +115,9 @@ class ParamGroup:
     _pending_reduce: _PendingReduce | None = None
     _received: set[ManagedParam] = field(default_factory=set)  # got a gradient since the reduce
     _reduce_op: Literal["avg", "sum"] = "avg"
-    # The parameters as given to fully_shard (weakly): a later call that meets one of them
-    # (a weight tied across groups) raises instead of sharding it twice.
-    originals: weakref.WeakSet[nn.Parameter] = field(default_factory=weakref.WeakSet)
+    # Parameters without values: the group was materialized from the meta device by
+    # `load_state_dict(assign=True)`, which has not assigned these (yet).
+    unloaded: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         # Per DBuffer, its parameters in group order: the per-step loops below walk these
@@ -136,6 +136,18 @@ class ParamGroup:
     def data_parallel_size(self) -> int:
         return self.mesh.size()
 
+    def slots_in(
+        self, modules: set[nn.Module]
+    ) -> list[tuple[dict[str, nn.Parameter | None], str, ManagedParam]]:
+        """The (parameter dict, name, parameter) registrations that live in `modules`."""
+        wanted = {id(m) for m in modules}
+        return [
+            (parameter_slots(module), attr, p)
+            for p in self.params
+            for module, attr in p.locations
+            if id(module) in wanted
+        ]
+
     # -- unshard / reshard --------------------------------------------------------------------
 
     def _compute_dtype(self, buffer: DBuffer) -> torch.dtype | None:
@@ -148,6 +160,12 @@ class ParamGroup:
         """Gathers every DBuffer (a no-op while unsharded); returns the handles to wait on."""
         if self.is_unsharded:
             return self._unshard_handles
+        if self.unloaded:
+            raise RuntimeError(
+                f"fully_shard: {self.label}'s parameters {sorted(self.unloaded)} have no "
+                f"values: load_state_dict(assign=True) materialized the group from the meta "
+                f"device but assigned only some of its parameters; assign all of them"
+            )
         with profiler_range(f"FSDP::unshard({self.label})"):
             self._unshard_handles = [
                 buffer.unshard(dtype=self._compute_dtype(buffer), async_op=async_op)
@@ -303,6 +321,7 @@ class ParamGroup:
         """
         trainable = [p for p in self.params if p.sharded.requires_grad]
         reduced_by_buffer = {buffer: buffer.sharded_grads() for buffer in self.buffers}
+        assigned = []
         for param, used in zip(trainable, used_anywhere, strict=True):
             if not used and not unused_too:
                 continue
@@ -312,8 +331,88 @@ class ParamGroup:
                 param.sharded.grad = reduced
             elif current is not reduced:  # a gradient the user set: accumulate into it
                 current.add_(reduced)
+            assigned.append(param.sharded)
         self._received.clear()
         self._pending_reduce = None
+        # Hooks registered on the sharded parameters (optimizer in backward) see the sharded
+        # gradient, as in FSDP2; autograd ran none, as it only saw the gathered parameters.
+        for sharded, hooks in post_accumulate_grad_hooks(assigned):
+            for hook in hooks:
+                hook(sharded)
+
+
+def adopt_assigned(group: ParamGroup, modules: set[nn.Module]) -> None:
+    """Takes in the values `load_state_dict(assign=True)` put in place of sharded parameters.
+
+    nn.Module's assign replaces the registered parameter objects, but the group's parameters
+    must stay views of its DBuffers (and gathers read those): so each assigned tensor's values
+    are copied into the group's own sharded parameter, which is registered again. A tensor is
+    taken as a DTensor with the parameter's mesh and placements (what `model.state_dict()`
+    gives, and torch's `distribute_tensor` with those placements), or, for a parameter
+    without tensor parallelism, as the full tensor (each rank keeps its rows). A group built
+    on the meta device gets its memory on the assigned tensors' device first.
+
+    Args:
+        group: The group whose modules were loaded.
+        modules: The modules whose parameters the load has reached (a subtree).
+    """
+    assigned = [
+        (slots, attr, param, _assigned_values(param, slots[attr]))
+        for slots, attr, param in group.slots_in(modules)
+        if slots[attr] is not param.sharded and slots[attr] is not param.unsharded
+    ]
+    real = [values.device for *_, values in assigned if values.device.type != "meta"]
+    if real and group.params[0].buffer.device.type == "meta":
+        # Re-registers the sharded parameters everywhere: the assigned values are held above.
+        move_storage(group, lambda t: torch.empty_like(t, device=real[0]))
+        group.unloaded = {p.name for p in group.params}
+    for slots, attr, param, values in assigned:
+        with torch.no_grad():
+            sharded_param(param).to_local().copy_(values)
+        group.unloaded.discard(param.name)
+        slots[attr] = param.sharded
+
+
+def sharded_param(param: ManagedParam) -> DTensor:
+    """The sharded parameter, as the DTensor it is (an nn.Parameter over a DTensor)."""
+    sharded = param.sharded
+    assert isinstance(sharded, DTensor)
+    return sharded
+
+
+def _assigned_values(param: ManagedParam, new: object) -> torch.Tensor:
+    """This rank's piece of the tensor assigned to `param`, checked against its layout."""
+    sharded = sharded_param(param)
+    if not isinstance(new, torch.Tensor):
+        raise TypeError(f"load_state_dict assigned a {type(new).__name__} to {param.name!r}")
+    if new.dtype != sharded.dtype:
+        raise ValueError(
+            f"load_state_dict(assign=True) gives {param.name!r} dtype {new.dtype}, but "
+            f"fully_shard's group holds it in {sharded.dtype}: cast the state dict first, or "
+            f"load with assign=False"
+        )
+    if isinstance(new, DTensor):
+        if (
+            new.device_mesh != sharded.device_mesh
+            or tuple(new.placements) != tuple(sharded.placements)
+            or new.shape != sharded.shape
+        ):
+            raise ValueError(
+                f"load_state_dict(assign=True) gives {param.name!r} as a DTensor of shape "
+                f"{tuple(new.shape)} with placements {tuple(new.placements)}; the sharded "
+                f"parameter is {tuple(sharded.shape)} with {tuple(sharded.placements)} on its "
+                f"mesh: build it with distribute_tensor(full, mesh, those placements), or pass "
+                f"the full tensor"
+            )
+        return new.to_local()
+    if new.shape != sharded.shape or param.parallel is not None:
+        raise ValueError(
+            f"load_state_dict(assign=True) gives {param.name!r} a tensor of shape "
+            f"{tuple(new.shape)}; expected the full {tuple(sharded.shape)}"
+            + (" as a DTensor (it is tensor parallel)" if param.parallel is not None else "")
+        )
+    lo, hi = flat_range(sharded)
+    return new.detach().reshape(-1)[lo:hi]
 
 
 def used_anywhere(groups: list[ParamGroup]) -> list[list[bool]]:

@@ -1,0 +1,195 @@
+"""What frameworks that drive FSDP2 rely on, run on every rank of a RankPool.
+
+torchft installs its cross-replica all-reduce with `set_all_reduce_hook` on the FSDP modules it
+finds by `isinstance`; accelerate loads pretrained weights with `load_state_dict(assign=True)`
+into a model sharded on the meta device; optimizer-in-backward registers post-accumulate-grad
+hooks on the sharded parameters; and a weight tied across two sibling groups must be refused,
+not silently untied. Each is checked against one process or plain HSDP.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from model import Config, Decoder, loss_fn
+from rank_pool import expect_error
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from fsdp_engine import fully_shard
+
+SEQ = 9
+
+
+def _tokens(seed: int, rows: int = 2) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, Config().vocab, (rows, SEQ), generator=gen)
+
+
+def _shard(model: Decoder, mesh: object) -> None:
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def check_all_reduce_hook_replaces_replicate_axis() -> None:
+    """torchft-style HSDP: shard over one axis, the hook averages over the other.
+
+    4 ranks as (replicate 2, shard 2). Plain HSDP on the 2-D mesh, against ours on the 1-D
+    shard mesh with a hook, installed on every module that `isinstance(m, FSDPModule)` finds
+    (as torchft walks the model), that all-reduces each reduced shard over the replicate group.
+    """
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    replicate = mesh["replicate"].get_group()
+    torch.manual_seed(0)
+    hsdp = Decoder(Config())
+    hooked = copy.deepcopy(hsdp)
+    _shard(hsdp, mesh)
+    _shard(hooked, mesh["shard"])
+    found = [m for m in hooked.modules() if isinstance(m, TorchFSDPModule)]
+    assert len(found) == 1 + len(hooked.layers), found
+    calls: list[int] = []
+
+    def average_over_replicas(shard: torch.Tensor) -> None:
+        calls.append(shard.numel())
+        dist.all_reduce(shard, group=replicate)
+        shard.div_(dist.get_world_size(replicate))
+
+    for module in found:
+        module.set_all_reduce_hook(average_over_replicas)
+    tokens = _tokens(seed=dist.get_rank())
+    for model in (hsdp, hooked):
+        loss_fn(model(tokens), tokens).backward()
+    assert len(calls) == len(found), calls  # once per group and backward, not recursively
+    expected = _grads(hsdp)
+    got = _grads(hooked)
+    assert list(got) == list(expected)
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, msg=name)
+
+
+def check_post_accumulate_grad_hooks() -> None:
+    """Hooks on sharded parameters run once per backward, with the sharded gradient set.
+
+    Optimizer in backward: each hook steps its parameter alone and drops its gradient; the
+    parameters after two steps equal those of an ordinary loop over the same steps.
+    """
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    base = Decoder(Config())
+    in_backward, ordinary = copy.deepcopy(base), base
+    _shard(in_backward, mesh)
+    _shard(ordinary, mesh)
+    seen: list[str] = []
+    optimizers = {}
+    for name, param in in_backward.named_parameters():
+        optimizers[param] = torch.optim.SGD([param], lr=0.1)
+
+        def step(p: nn.Parameter, n: str = name) -> None:
+            assert isinstance(p.grad, DTensor) and p.grad.placements == p.placements, n
+            seen.append(n)
+            optimizers[p].step()
+            optimizers[p].zero_grad()
+
+        param.register_post_accumulate_grad_hook(step)
+    opt = torch.optim.SGD(ordinary.parameters(), lr=0.1)
+    names = [n for n, _ in in_backward.named_parameters()]
+    for seed in (1, 2):
+        tokens = _tokens(seed=seed + 10 * dist.get_rank())
+        seen.clear()
+        loss_fn(in_backward(tokens), tokens).backward()
+        assert sorted(seen) == sorted(names), seen  # every parameter, once
+        assert all(p.grad is None for p in in_backward.parameters())
+        loss_fn(ordinary(tokens), tokens).backward()
+        opt.step()
+        opt.zero_grad()
+    for (name, got), expected in zip(
+        in_backward.named_parameters(), ordinary.parameters(), strict=True
+    ):
+        torch.testing.assert_close(got.full_tensor(), expected.full_tensor(), msg=name)
+
+
+def check_load_state_dict_assign() -> None:
+    """`load_state_dict(..., assign=True)` puts the given values in the sharded parameters.
+
+    The accelerate way (`cpu_ram_efficient_loading`): a model built and sharded on the meta
+    device, then each parameter's full weights distributed with the sharded parameter's own
+    placements and assigned; and on a materialized model, DTensors or full tensors. The model
+    then computes with the assigned values (its forward equals one process's), and a partial,
+    mismatched or wrongly typed assignment raises.
+    """
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    pretrained = Decoder(Config())
+    full = {n: p.detach().clone() for n, p in pretrained.named_parameters()}
+    tokens = _tokens(seed=3)
+    expected = pretrained(tokens)
+    # A meta-built model: the DTensors come from distribute_tensor with its placements.
+    with torch.device("meta"):
+        model = Decoder(Config())
+    _shard(model, mesh)
+    sharded = model.state_dict()
+    given = {
+        name: distribute_tensor(full[name], meta.device_mesh, meta.placements)
+        for name, meta in sharded.items()
+    }
+    model.load_state_dict(given, assign=True)
+    for name, param in model.named_parameters():  # still the group's own sharded parameters
+        assert isinstance(param, DTensor) and not param.to_local().is_meta, name
+    torch.testing.assert_close(model(tokens), expected)
+    # Full tensors on a materialized model (each rank keeps its rows).
+    torch.manual_seed(1)
+    other = Decoder(Config())
+    _shard(other, mesh)
+    other.load_state_dict(full, assign=True)
+    torch.testing.assert_close(other(tokens), expected)
+    loss_fn(other(tokens), tokens).backward()  # and it trains through the adopted values
+    assert all(p.grad is not None for p in other.parameters())
+    # Refusals: a different dtype, a DTensor of another layout, part of a meta group.
+    wrong_dtype = {**full, "head.weight": full["head.weight"].double()}
+    expect_error(ValueError, lambda: other.load_state_dict(wrong_dtype, assign=True), "float64")
+    replicated = {
+        **full,
+        "head.weight": distribute_tensor(
+            full["head.weight"], mesh, [torch.distributed.tensor.Replicate()]
+        ),
+    }
+    if dist.get_world_size() > 1:
+        expect_error(
+            ValueError, lambda: other.load_state_dict(replicated, assign=True), "placements"
+        )
+    with torch.device("meta"):
+        partial = Decoder(Config())
+    _shard(partial, mesh)
+    meta_sd = partial.state_dict()
+    some = {
+        name: distribute_tensor(full[name], meta.device_mesh, meta.placements)
+        for name, meta in meta_sd.items()
+        if name != "head.weight"
+    }
+    partial.load_state_dict(some, assign=True, strict=False)
+    expect_error(RuntimeError, lambda: partial(tokens), "head.weight")
+
+
+def check_tied_across_sibling_groups_is_refused() -> None:
+    """An embedding tied to the output head, each sharded on its own: refused, named."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = Decoder(Config(tie_embeddings=True))
+    assert model.embed.weight is model.head.weight
+    fully_shard(model.embed, mesh=mesh)
+    expect_error(ValueError, lambda: fully_shard(model.head, mesh=mesh), "'weight' is shared")
+    # One group holding both uses trains as one tied weight.
+    tied = Decoder(Config(tie_embeddings=True))
+    fully_shard([tied.embed, tied.head], mesh=mesh)
+    fully_shard(tied, mesh=mesh)
+    tokens = _tokens(seed=dist.get_rank())
+    loss_fn(tied(tokens), tokens).backward()
+    assert tied.embed.weight is tied.head.weight and tied.head.weight.grad is not None

@@ -1,0 +1,23 @@
+"""What frameworks that drive FSDP2 rely on: torchft's hook, accelerate's assign, and more."""
+
+import drop_in_cases as cases
+import pytest
+
+
+def test_all_reduce_hook_replaces_the_replicate_axis(pools) -> None:
+    pools[4].run(cases.check_all_reduce_hook_replaces_replicate_axis)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_post_accumulate_grad_hooks_see_sharded_gradients(pools, world) -> None:
+    pools[world].run(cases.check_post_accumulate_grad_hooks)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_load_state_dict_assign_adopts_the_values(pools, world) -> None:
+    pools[world].run(cases.check_load_state_dict_assign)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_weight_tied_across_sibling_groups_is_refused(pools, world) -> None:
+    pools[world].run(cases.check_tied_across_sibling_groups_is_refused)
