@@ -133,14 +133,7 @@ def check_load_state_dict_assign() -> None:
     tokens = _tokens(seed=3)
     expected = pretrained(tokens)
     # A meta-built model: the DTensors come from distribute_tensor with its placements.
-    with torch.device("meta"):
-        model = Decoder(Config())
-    _shard(model, mesh)
-    sharded = model.state_dict()
-    given = {
-        name: distribute_tensor(full[name], meta.device_mesh, meta.placements)
-        for name, meta in sharded.items()
-    }
+    model, given = _meta_model_and_its_shards(mesh, full)
     model.load_state_dict(given, assign=True)
     for name, param in model.named_parameters():  # still the group's own sharded parameters
         assert isinstance(param, DTensor) and not param.to_local().is_meta, name
@@ -166,17 +159,24 @@ def check_load_state_dict_assign() -> None:
         expect_error(
             ValueError, lambda: other.load_state_dict(replicated, assign=True), "placements"
         )
-    with torch.device("meta"):
-        partial = Decoder(Config())
-    _shard(partial, mesh)
-    meta_sd = partial.state_dict()
-    some = {
-        name: distribute_tensor(full[name], meta.device_mesh, meta.placements)
-        for name, meta in meta_sd.items()
-        if name != "head.weight"
-    }
-    partial.load_state_dict(some, assign=True, strict=False)
+    partial, shards = _meta_model_and_its_shards(mesh, full)
+    del shards["head.weight"]
+    partial.load_state_dict(shards, assign=True, strict=False)
     expect_error(RuntimeError, lambda: partial(tokens), "head.weight")
+
+
+def _meta_model_and_its_shards(
+    mesh: object, full: dict[str, torch.Tensor]
+) -> tuple[Decoder, dict[str, DTensor]]:
+    """A model built and sharded on meta, and `full` distributed with its placements."""
+    with torch.device("meta"):
+        model = Decoder(Config())
+    _shard(model, mesh)
+    shards = {
+        name: distribute_tensor(full[name], meta.device_mesh, meta.placements)
+        for name, meta in model.state_dict().items()
+    }
+    return model, shards
 
 
 def check_tied_across_sibling_groups_is_refused() -> None:

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from fsdp_engine import _compat
@@ -155,3 +156,23 @@ def test_fully_shard_state_reaches_ours_where_pipelining_reads_it() -> None:
     assert [s._fsdp_param_group is not None for s in view._state_ctx.all_states] == [True, False]
     view._root_post_backward_final_callback()
     assert calls == ["post", "final"], calls
+
+
+def test_a_method_a_later_torch_adds_raises_naming_itself(monkeypatch) -> None:
+    # What a torch release after 2.15 adds to FSDPModule must not run FSDP2's code on ours.
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+
+    from fsdp_engine import _module
+
+    def set_something_new(self: object, value: bool) -> None:
+        raise AssertionError("torch's implementation ran")
+
+    monkeypatch.setattr(TorchFSDPModule, "set_something_new", set_something_new, raising=False)
+    _module._refuse_unknown_methods()
+    try:
+        method = _module.FSDPModule.set_something_new  # type: ignore[attr-defined]
+        with pytest.raises(NotImplementedError, match=r"FSDPModule\.set_something_new"):
+            method(object(), True)
+    finally:
+        if "set_something_new" in vars(_module.FSDPModule):
+            delattr(_module.FSDPModule, "set_something_new")
