@@ -53,6 +53,74 @@ def check_unshard_and_views(dtype: str, block_rows: int) -> None:
             raise AssertionError("full() while resharded must raise")
 
 
+def check_num_shard_dims() -> None:
+    """Cutting inside an expert: (E, H, F) with 2 cuttable dims balances E < W experts."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,))
+    gen = torch.Generator().manual_seed(5)
+    experts, bias = torch.randn(2, 3, 4, generator=gen), torch.randn(5, generator=gen)
+    tensors = [("experts", experts), ("bias", bias)]
+    whole = DBuffer(tensors, mesh, align_bytes=4)
+    cut = DBuffer(tensors, mesh, num_shard_dims={"experts": 2}, align_bytes=4)
+    assert whole.sharded("experts").placements[0].dims == (0,)
+    assert cut.sharded("experts").placements[0].dims == (0, 1)
+    # Whole experts (12 elements) bound the shard at W >= 2 to 12 (W=2: 17, an expert and the
+    # bias); rows of 4 elements let 29 elements spread: 16 at W=2, 8 at W=4.
+    expected = {1: (29, 29), 2: (17, 16), 3: (12, 12), 4: (12, 8)}[world]
+    assert (whole.shard_size, cut.shard_size) == expected
+    for buf in (whole, cut):
+        assert torch.equal(buf.sharded("experts").full_tensor(), experts)
+        buf.unshard().wait()
+        assert torch.equal(buf.full("experts"), experts)
+        buf.full_grad("experts").copy_(experts * (rank + 1))
+        buf.full_grad("bias").copy_(bias)
+        buf.reduce_scatter(op="sum").wait()
+        scale = world * (world + 1) / 2
+        torch.testing.assert_close(buf.sharded_grad("experts").full_tensor(), experts * scale)
+        buf.reshard()
+    a = torch.randn(4, 3)
+    expect_error(
+        ValueError, lambda: DBuffer([("a", a)], mesh, num_shard_dims=3), "must be an int in [1, 2]"
+    )
+    expect_error(ValueError, lambda: DBuffer([("a", a)], mesh, num_shard_dims={"z": 1}), "['z']")
+    expect_error(
+        TypeError, lambda: DBuffer([("a", a)], mesh, num_shard_dims=[2]), "num_shard_dims must be"
+    )
+
+
+def check_reshard_keeping_a_part(parts: int) -> None:
+    """reshard(keep_group=...) keeps 1/k; the next unshard gathers over those k ranks only."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,))
+    tensors = _tensors(world, "fp32", seed=7)
+    buf = DBuffer(tensors, mesh)
+    start = rank // parts * parts
+    keep = dist.new_group(list(range(start, start + parts)), use_local_synchronization=True)
+    for dtype in (torch.float32, torch.bfloat16):
+        buf.unshard(dtype=dtype).wait()
+        buf.reshard(keep_group=keep)
+        assert not buf.is_unsharded
+        # Change the shard: a gather from the kept part does not see it (what was gathered
+        # is kept as it was, as FSDP2's), a full one does. Keeping all W parts keeps nothing.
+        saved = buf.local.clone()
+        buf.local.add_(1.0)
+        buf.unshard(dtype=dtype).wait()
+        kept = parts < world
+        for name, t in tensors:
+            expected = t if kept else t + 1
+            assert torch.equal(buf.full(name, dtype=dtype), expected.to(dtype)), (name, dtype)
+        buf.reshard()
+        buf.unshard(dtype=dtype).wait()
+        assert torch.equal(buf.full("w1", dtype=dtype), (tensors[0][1] + 1).to(dtype))
+        buf.reshard()
+        buf.local.copy_(saved)
+    if world % 2 == 0 and world > 2:  # two ranks that are not consecutive from this one
+        other = [r for r in range(world) if r % 2 == rank % 2]
+        group = dist.new_group(other, use_local_synchronization=True)
+        buf.unshard().wait()
+        expect_error(ValueError, lambda: buf.reshard(keep_group=group), "consecutive ranks")
+
+
 def check_mixed_precision_unshard() -> None:
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))

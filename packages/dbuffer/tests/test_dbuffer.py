@@ -14,6 +14,16 @@ def test_unshard_views_and_reshard(pools, world) -> None:
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
+def test_num_shard_dims_cuts_inside_leading_dims(pools, world) -> None:
+    pools[world].run(cases.check_num_shard_dims)
+
+
+@pytest.mark.parametrize(("world", "parts"), [(1, 1), (2, 2), (3, 3), (4, 2), (4, 1)])
+def test_reshard_keeping_a_part_gathers_over_fewer_ranks(pools, world, parts) -> None:
+    pools[world].run(cases.check_reshard_keeping_a_part, parts)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
 def test_mixed_precision_and_async(pools, world) -> None:
     pools[world].run(cases.check_mixed_precision_unshard)
     pools[world].run(cases.check_async_unshard_overlaps_compute)

@@ -44,6 +44,7 @@ from dbuffer._checks import (
     check_dtype,
     check_grad,
     check_layout,
+    check_num_shard_dims,
     check_tensors,
     rows_of,
 )
@@ -106,6 +107,10 @@ class DBuffer:
         replicate_dim: Mesh axis it is replicated over (HSDP), or None.
         block_rows: Rows per unshardable block: one int for all, a mapping by name (missing
             names get 1), or a function of (name, shape).
+        num_shard_dims: How many leading dims a shard boundary may cut (a row is then
+            `shape[num_shard_dims:]`): one int for all or a mapping by name (missing names get
+            1). For a fused expert weight of shape (E, H, F), 2 lets shards cut inside an
+            expert, one matrix row of F elements at a time, where 1 keeps each expert whole.
         align_bytes: Every rank's chunk starts at a multiple of this many bytes.
         layout: A precomputed layout for exactly these tensors (names, sizes, world size).
         check_freed: Make every op on a `full` / `full_grad` view check that its memory is
@@ -129,6 +134,7 @@ class DBuffer:
         shard_dim: int = 0,
         replicate_dim: int | None = None,
         block_rows: BlockRows = 1,
+        num_shard_dims: int | Mapping[str, int] = 1,
         align_bytes: int = 16,
         layout: Layout | None = None,
         check_freed: bool | None = None,
@@ -155,18 +161,20 @@ class DBuffer:
         first = tensors[0][1]
         self.dtype, self.device = first.dtype, first.device
         check_block_rows(block_rows, {name for name, _ in tensors})
+        cut_dims = check_num_shard_dims(num_shard_dims, tensors)
         self._shapes = {name: t.shape for name, t in tensors}
         world = mesh.size(self.shard_dim)
         specs = [
             TensorSpec.from_shape(
-                name, t.shape, rows_of(block_rows, name, t.shape), num_shard_dims=1
+                name, t.shape, rows_of(block_rows, name, t.shape), num_shard_dims=cut_dims[name]
             )
             for name, t in tensors
         ]
         for name, outer in self._outer.items():
             shape = self._shapes[name]
             rows = rows_of(block_rows, name, shape)  # already checked by TensorSpec above
-            check_rows_within_piece(name, outer, shape[0] if shape else 1, rows)
+            num_rows = math.prod(shape[: cut_dims[name]]) if shape else 1
+            check_rows_within_piece(name, outer, num_rows, rows)
         align = check_align_bytes(align_bytes, first.element_size())
         self.layout = layout if layout is not None else plan_layout(specs, world, align=align)
         check_layout(self.layout, specs, world)
@@ -199,6 +207,9 @@ class DBuffer:
         # Global (unsharded) buffers by dtype, and the unshards still in flight into them.
         self._global: dict[torch.dtype, FreeableBuffer] = {}
         self._pending_unshards: dict[torch.dtype, Handle] = {}
+        # What `reshard(keep_group=...)` kept of each global buffer, and the group to gather
+        # it over at the next unshard.
+        self._kept: dict[torch.dtype, tuple[dist.ProcessGroup, torch.Tensor]] = {}
         self._grad = self._new_grad_buffer()
         self._pending_reduce: Handle | None = None
         self._local_grad: torch.Tensor | None = None
@@ -233,10 +244,14 @@ class DBuffer:
         shape = self._shapes[name]
         if self.layout.spec(name).numel:  # else nothing to shard: replicated (empty) pieces
             unit = self.layout.unit(name)
-            row = math.prod(shape[1:])
-            # Cut whole rows when every unit is whole rows; otherwise allow cuts anywhere.
-            dims = (0,) if len(shape) <= 1 or unit % row == 0 else tuple(range(len(shape)))
-            placements[self.shard_dim] = RaggedShard(dims, self.layout.local_units(name))
+            # The fewest leading dims whose rows the units are made of.
+            cut = next(
+                (k for k in range(1, len(shape)) if unit % math.prod(shape[k:]) == 0),
+                max(len(shape), 1),
+            )
+            placements[self.shard_dim] = RaggedShard(
+                tuple(range(cut)), self.layout.local_units(name)
+            )
         return placements
 
     def _piece(self, name: str, storage: torch.Tensor) -> torch.Tensor:
@@ -380,6 +395,8 @@ class DBuffer:
         memory = self._global.get(dtype)
         if memory is not None and memory.allocated:
             return self._pending_unshards.get(dtype) or Handle()
+        if dtype in self._kept:
+            return self._unshard_kept(dtype, async_op)
         buffer = self._global_buffer(dtype)
         if dtype == self.dtype and not self._gloo_in_place:
             send = self.local
@@ -407,18 +424,70 @@ class DBuffer:
         self._pending_unshards[dtype] = handle
         return handle
 
-    def reshard(self) -> None:
+    def reshard(self, *, keep_group: dist.ProcessGroup | None = None) -> None:
         """Frees the global buffers; the `full` views stay the same objects for the next unshard.
 
         An unshard still in flight is waited for first. Until the next `unshard()`, `full(name)`
         raises and reading a view obtained earlier raises a RuntimeError (the memory is freed).
         Runs on the current stream: on CUDA, call it on the stream that last read the views.
+
+        Args:
+            keep_group: Keep this rank's 1/k of each gathered buffer, k = the group's size,
+                so that the next `unshard()` gathers over that group only (FSDP2's
+                `reshard_after_forward=k`: a smaller, faster all-gather for backward, k/W of
+                the gathered memory kept). Its ranks must be the k consecutive ranks of the
+                shard axis this rank is among (k dividing the axis's size). None, or k equal
+                to the axis's size: keep nothing (the next unshard gathers the shards).
+
+        Example:
+            >>> buf.unshard().wait()
+            >>> buf.reshard()
+            >>> buf.is_unsharded
+            False
         """
         for handle in self._pending_unshards.values():
             handle.wait()
         self._pending_unshards = {}
+        self._kept = {}
+        if keep_group is not None:
+            self._check_keep_group(keep_group)
+        if keep_group is not None and keep_group.size() < self._group.size():
+            index, parts = keep_group.rank(), keep_group.size()
+            for dtype, memory in self._global.items():
+                if memory.allocated:
+                    whole = memory.allocate()  # the writer alias of what is gathered
+                    size = whole.numel() // parts
+                    self._kept[dtype] = (keep_group, whole.narrow(0, index * size, size).clone())
         for memory in self._global.values():
             memory.free()
+
+    def _check_keep_group(self, keep_group: dist.ProcessGroup) -> None:
+        parts, world = keep_group.size(), self._group.size()
+        start = self._rank // parts * parts if world % parts == 0 else -1
+        expected = self._group_ranks[start : start + parts] if start >= 0 else None
+        if expected != dist.get_process_group_ranks(keep_group):
+            raise ValueError(
+                f"keep_group has ranks {dist.get_process_group_ranks(keep_group)}; it must be "
+                f"k consecutive ranks of this buffer's shard axis {self._group_ranks} (k "
+                f"dividing {world}) that include this rank"
+            )
+
+    def _unshard_kept(self, dtype: torch.dtype, async_op: bool) -> Handle:
+        group, piece = self._kept.pop(dtype)
+        buffer = self._global_buffer(dtype)
+        size, works = piece.numel(), []
+        with profiler_range("DBuffer::all_gather_kept"):
+            if self._gloo_in_place:
+                for index, source in enumerate(dist.get_process_group_ranks(group)):
+                    chunk = buffer.narrow(0, index * size, size)
+                    if index == group.rank():
+                        chunk.copy_(piece)
+                    works.append(dist.broadcast(chunk, source, group=group, async_op=async_op))
+            else:
+                works.append(all_gather_single(buffer, piece, group=group, async_op=async_op))
+        handle = Handle(works, device=self.device, event=record_event(self.device))
+        self._pending_unshards[dtype] = handle
+        return handle
 
     @property
     def is_unsharded(self) -> bool:

@@ -32,6 +32,34 @@ def check_block_rows(block_rows: BlockRows, names: set[str]) -> None:
             raise ValueError(f"block_rows names tensors that are not in the DBuffer: {unknown}")
 
 
+def check_num_shard_dims(
+    num_shard_dims: object, tensors: Sequence[tuple[str, torch.Tensor]]
+) -> dict[str, int]:
+    """Each tensor's count of cuttable leading dims, in [1, max(ndim, 1)]."""
+    shapes = {name: t.shape for name, t in tensors}
+    if isinstance(num_shard_dims, Mapping):
+        unknown = sorted(set(num_shard_dims) - set(shapes))
+        if unknown:
+            raise ValueError(f"num_shard_dims names tensors that are not in the DBuffer: {unknown}")
+        given = {name: num_shard_dims.get(name, 1) for name in shapes}
+    elif isinstance(num_shard_dims, int) and not isinstance(num_shard_dims, bool):
+        given = dict.fromkeys(shapes, num_shard_dims)
+    else:
+        raise TypeError(
+            f"num_shard_dims must be an int or a mapping of name to int, got "
+            f"{type(num_shard_dims).__name__}"
+        )
+    for name, value in given.items():
+        count: object = value  # user input: check what came
+        top = max(len(shapes[name]), 1)
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= top:
+            raise ValueError(
+                f"num_shard_dims for DBuffer tensor {name!r} (shape {tuple(shapes[name])}) "
+                f"must be an int in [1, {top}], got {count!r}"
+            )
+    return given
+
+
 def check_dtype(what: str, dtype: object) -> torch.dtype | None:
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"{what} must be a torch.dtype or None, got {dtype!r}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar, overload
 
 import torch
@@ -15,7 +16,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor, Shard
 
 from dbuffer import DBuffer
-from fsdp_engine._compat import parameter_slots, set_fully_shard_state
+from fsdp_engine._compat import parameter_slots, placement_result, set_fully_shard_state
 from fsdp_engine._config import GroupConfig
 from fsdp_engine._group import (
     Location,
@@ -25,6 +26,7 @@ from fsdp_engine._group import (
     adopt_assigned,
 )
 from fsdp_engine._module import FSDPModule, state_of
+from fsdp_engine._spmd import SpmdMesh
 from fsdp_engine._state import STATE_ATTR, FSDPState
 from ragged_placement import RaggedShard
 
@@ -60,6 +62,7 @@ def fully_shard(
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
     block_rows: BlockRowsArg = ...,
+    dp_mesh_dims: Any = ...,
 ) -> M: ...
 
 
@@ -74,6 +77,7 @@ def fully_shard(
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
     block_rows: BlockRowsArg = ...,
+    dp_mesh_dims: Any = ...,
 ) -> list[nn.Module]: ...
 
 
@@ -87,6 +91,7 @@ def fully_shard(
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008
     ignored_params: set[nn.Parameter] | None = None,
     block_rows: BlockRowsArg = None,
+    dp_mesh_dims: Any = None,
 ) -> nn.Module | list[nn.Module]:
     """Shards `module`'s parameters (those no nested call took) into one group, as FSDP2 does.
 
@@ -103,9 +108,17 @@ def fully_shard(
             axes of the same device mesh: their local pieces are sharded over `mesh`, and
             the sharded parameters are DTensors over `mesh`'s axes followed by theirs.
         reshard_after_forward: Free the gathered parameters after forward. None: True except
-            for the root. Ints (FSDP2's reshard to a smaller world) are not supported.
-        shard_placement_fn: FSDP2's per-parameter placement; only None or Shard(0) (the
-            default: RaggedShard over whole rows) are accepted.
+            for the root. An int k (a divisor of the shard axis size, as FSDP2's): keep 1/k
+            of the gathered parameters after forward, so that backward gathers over k
+            consecutive ranks only (e.g. one node's); 1 is False, the axis size is True.
+        shard_placement_fn: FSDP2's per-parameter placement. None or Shard(0): RaggedShard
+            over whole rows (of `shape[1:]`). Shard(d): shard boundaries may also cut dims
+            1..d (rows of `shape[d + 1:]`), which balances a tensor with fewer rows than
+            ranks, e.g. experts (E, H, F) with E < world size and Shard(1); every rank still
+            holds one contiguous range of the row-major tensor (RaggedShard(dims=(0..d))),
+            not FSDP2's chunk of dim d. torch's `ShardPlacementResult` (torch 2.13+) puts a
+            parameter on its own mesh (1-D, or 2-D for HSDP); the group keeps one DBuffer per
+            mesh and dtype.
         mp_policy: Mixed precision (param_dtype, reduce_dtype, output_dtype,
             cast_forward_inputs), as in FSDP2.
         offload_policy: Only OffloadPolicy() (no offload) is supported.
@@ -113,6 +126,11 @@ def fully_shard(
         block_rows: Rows per block that no shard boundary may cut: an int, a mapping from
             parameter FQN (relative to `module`; "i.fqn" for the i-th module of a list) to
             int, or a function of (fqn, param). Default 1: every rank holds whole rows.
+        dp_mesh_dims: torch's `DataParallelMeshDims` (torch 2.13+): `mesh` is then the full
+            SPMD mesh (data and tensor parallel axes, named), `shard` names the axis or axes
+            to shard over (several are flattened into one) and `replicate` the HSDP axis or
+            axes. DTensor parameters on `mesh` must be Replicate on those axes; forward and
+            backward see them as given (on `mesh`).
 
     Returns:
         The same module (or list), now FSDPModule(s).
@@ -125,7 +143,8 @@ def fully_shard(
         ('FSDPLinear', (RaggedShard(dims=(0,), local_units=(2,)),))
     """
     modules = _check_modules(module)
-    mesh = _resolve_mesh(mesh)
+    spmd = None if dp_mesh_dims is None else SpmdMesh.of(mesh, dp_mesh_dims)
+    mesh = _resolve_mesh(mesh if spmd is None else spmd.dp_mesh)
     reshard = _check_reshard_after_forward(reshard_after_forward)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {mp_policy!r}")
@@ -138,9 +157,15 @@ def fully_shard(
         raise TypeError(f"offload_policy must be an OffloadPolicy, got {offload_policy!r}")
     ignored = _check_ignored(ignored_params)
     found = _collect_params(modules, ignored)
-    _check_placements(found, shard_placement_fn)
+    if spmd is not None:
+        for param, fqn in found.names.items():
+            found.inputs[param] = spmd.split(param, fqn)
+            found.data_axes[param] = spmd.data_axes
+    placements = _resolve_placements(found, shard_placement_fn, mesh)
     rows = _resolve_block_rows(block_rows, found)
-    group = _build_group(found, rows, mesh, mp_policy, label=type(modules[0]).__name__)
+    group = _build_group(found, rows, placements, mesh, mp_policy, type(modules[0]).__name__)
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        reshard = _post_forward_parts(group, reshard_after_forward, mesh)
     state = FSDPState(modules, group, GroupConfig(reshard_after_forward=reshard), mp_policy)
     for mod in modules:
         _install(mod, state)
@@ -196,11 +221,23 @@ def _check_reshard_after_forward(value: object) -> bool | None:
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, int):
+        return True  # refined by _post_forward_parts once the group is built
+    raise TypeError(f"reshard_after_forward must be a bool, an int or None, got {value!r}")
+
+
+def _post_forward_parts(group: ParamGroup | None, parts: int, mesh: DeviceMesh) -> bool:
+    """`reshard_after_forward=parts`: FSDP2's meaning, resolved for the group's buffers."""
+    world = mesh.size(mesh.ndim - 1)
+    if parts < 1 or world % parts:
         raise ValueError(
-            f"reshard_after_forward={value}: resharding to a smaller world after forward is "
-            f"not supported; use True, False or None"
+            f"reshard_after_forward={parts} must divide the shard axis size {world}; valid: "
+            f"True, False, None or one of {[k for k in range(1, world + 1) if world % k == 0]}"
         )
-    raise TypeError(f"reshard_after_forward must be a bool or None, got {value!r}")
+    if parts == 1:  # a world of one after forward: keep everything
+        return False
+    if group is not None and parts < world:
+        group.set_post_forward_parts(parts)
+    return True
 
 
 def _check_ignored(ignored: object) -> set[nn.Parameter]:
@@ -220,6 +257,10 @@ class _Found:
     def __init__(self) -> None:
         self.names: dict[nn.Parameter, str] = {}
         self.locations: dict[nn.Parameter, list[Location]] = {}
+        # With dp_mesh_dims: what each DTensor parameter's DBuffer shards (its piece on the
+        # non-data axes), and which axes of its mesh are data axes.
+        self.inputs: dict[nn.Parameter, torch.Tensor] = {}
+        self.data_axes: dict[nn.Parameter, tuple[int, ...]] = {}
 
 
 def _collect_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]) -> _Found:
@@ -292,22 +333,54 @@ def _check_param(fqn: str, param: nn.Parameter) -> None:
         )
 
 
-def _check_placements(
-    found: _Found, shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None
-) -> None:
+@dataclass(frozen=True)
+class _Placement:
+    """Where one parameter is sharded: how many leading dims may be cut, over which axes."""
+
+    num_shard_dims: int
+    mesh: DeviceMesh
+    shard_axis: int
+    replicate_axis: int | None
+
+
+def _default_placement(mesh: DeviceMesh) -> _Placement:
+    return _Placement(1, mesh, mesh.ndim - 1, 0 if mesh.ndim == 2 else None)
+
+
+def _resolve_placements(
+    found: _Found, shard_placement_fn: Callable[[nn.Parameter], Any] | None, mesh: DeviceMesh
+) -> dict[nn.Parameter, _Placement]:
+    default = _default_placement(mesh)
     if shard_placement_fn is None:
-        return
+        return dict.fromkeys(found.names, default)
     if not callable(shard_placement_fn):
         raise TypeError(f"shard_placement_fn must be callable, got {shard_placement_fn!r}")
+    out: dict[nn.Parameter, _Placement] = {}
     for param, fqn in found.names.items():
-        placement: object = shard_placement_fn(param)  # user code: check what came back
-        if placement is None or (isinstance(placement, Shard) and placement.dim == 0):
+        result: object = shard_placement_fn(param)  # user code: check what came back
+        target = default
+        on_own_mesh = placement_result(result)
+        if on_own_mesh is not None:
+            result, own_mesh, shard_axis, replicate_axis = on_own_mesh
+            if shard_axis is None:
+                raise ValueError(
+                    f"shard_placement_fn returned a ShardPlacementResult for {fqn!r} whose "
+                    f"mesh_info has no shard axis (DDP): fsdp_engine shards every parameter"
+                )
+            target = _Placement(1, own_mesh, shard_axis, replicate_axis)
+        if result is None:
+            out[param] = target
             continue
-        raise ValueError(
-            f"shard_placement_fn returned {placement!r} for {fqn!r}; fsdp_engine shards "
-            f"every parameter over its rows with RaggedShard and supports only None or "
-            f"Shard(0) (use block_rows to keep blocks of rows together)"
-        )
+        ndim = max(param.dim(), 1)
+        if not isinstance(result, Shard) or not -ndim <= result.dim < ndim:
+            raise ValueError(
+                f"shard_placement_fn returned {result!r} for {fqn!r} (shape "
+                f"{tuple(param.shape)}); valid: None, Shard(d) with -{ndim} <= d < {ndim}, "
+                f"or a ShardPlacementResult holding one of those"
+            )
+        cut = result.dim % ndim + 1
+        out[param] = _Placement(cut, target.mesh, target.shard_axis, target.replicate_axis)
+    return out
 
 
 def _resolve_block_rows(block_rows: BlockRowsArg, found: _Found) -> dict[str, int]:
@@ -345,6 +418,7 @@ def _resolve_block_rows(block_rows: BlockRowsArg, found: _Found) -> dict[str, in
 def _build_group(
     found: _Found,
     rows: dict[str, int],
+    placements: dict[nn.Parameter, _Placement],
     mesh: DeviceMesh,
     mp_policy: MixedPrecisionPolicy,
     label: str,
@@ -352,22 +426,34 @@ def _build_group(
     if not found.names:
         return None
     device = _target_device(found, mesh)
-    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    # One DBuffer per (dtype, mesh and axes): parameters on their own mesh (experts) apart.
+    by_buffer: dict[tuple[Any, ...], list[nn.Parameter]] = {}
     for param in found.names:
-        by_dtype.setdefault(param.dtype, []).append(param)
-    axes: dict[str, Any] = {"shard_dim": mesh.ndim - 1}
-    if mesh.ndim == 2:
-        axes["replicate_dim"] = 0
+        where = placements[param]
+        key = (param.dtype, id(where.mesh), where.shard_axis, where.replicate_axis)
+        by_buffer.setdefault(key, []).append(param)
     buffers: dict[nn.Parameter, DBuffer] = {}
-    for params in by_dtype.values():
-        tensors = [(found.names[p], p.detach().to(device)) for p in params]
-        buffer = DBuffer(tensors, mesh, block_rows={n: rows[n] for n, _ in tensors}, **axes)
+    for params in by_buffer.values():
+        where = placements[params[0]]
+        tensors = [(found.names[p], found.inputs.get(p, p).detach().to(device)) for p in params]
+        buffer = DBuffer(
+            tensors,
+            where.mesh,
+            shard_dim=where.shard_axis,
+            replicate_dim=where.replicate_axis,
+            block_rows={n: rows[n] for n, _ in tensors},
+            num_shard_dims={found.names[p]: placements[p].num_shard_dims for p in params},
+        )
         buffers.update(dict.fromkeys(params, buffer))
     managed = []
     for param, name in found.names.items():
         buffer = buffers[param]
         sharded = nn.Parameter(buffer.sharded(name), requires_grad=param.requires_grad)
-        parallel = ParallelSpec.of(param) if isinstance(param, DTensor) else None
+        parallel = (
+            ParallelSpec.of(param, found.data_axes.get(param, ()))
+            if isinstance(param, DTensor)
+            else None
+        )
         managed.append(ManagedParam(name, found.locations[param], buffer, sharded, parallel))
     group = ParamGroup(managed, mesh, mp_policy, label)
     for param in found.names:

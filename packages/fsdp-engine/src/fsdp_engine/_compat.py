@@ -32,6 +32,12 @@
   returns (the private registry of torch's composable APIs). torch 2.10-2.14's pipeline stages
   call that on an FSDPModule to run its post-backward at the end of a schedule; 2.15's use
   `finalize_backward` instead (`PIPELINE_USES_STATE`).
+- `placement_result(value)`: reads torch's `ShardPlacementResult` (torch 2.13+, a private
+  dataclass of `_fully_shard._fsdp_common` that `shard_placement_fn` may return to put one
+  parameter on its own mesh: experts beside expert parallelism) into (placement, mesh,
+  shard axis, replicate axis); None for anything else.
+- `flatten_axes(mesh, names)`: `DeviceMesh._flatten`, the one way to make one axis of several
+  named ones (`DataParallelMeshDims(shard=("dp_shard", "cp"))`).
 Tested on the torch versions `ragged_placement.SUPPORTED_TORCH` names; others are refused at
 import.
 """
@@ -60,9 +66,11 @@ __all__ = [
     "TorchFSDPModule",
     "TorchGradientReductionHandle",
     "TorchUnshardHandle",
+    "flatten_axes",
     "in_backward",
     "map_tensors",
     "parameter_slots",
+    "placement_result",
     "post_accumulate_grad_hooks",
     "profiler_range",
     "queue_backward_callback",
@@ -79,6 +87,32 @@ else:
 # torch 2.15 added finalize_backward, and its pipeline stages call it instead of reaching into
 # `fully_shard.state(module)`.
 PIPELINE_USES_STATE = not hasattr(TorchFSDPModule, "finalize_backward")
+
+
+def _private_fsdp_common() -> Any:
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_common
+    except ImportError:  # pragma: no cover - every supported torch has the module
+        return None
+    return _fsdp_common
+
+
+_SHARD_PLACEMENT_RESULT: type | None = getattr(_private_fsdp_common(), "ShardPlacementResult", None)
+
+
+def placement_result(value: object) -> tuple[object, Any, int, int | None] | None:
+    """(placement, mesh, shard axis, replicate axis) of a torch `ShardPlacementResult`."""
+    if _SHARD_PLACEMENT_RESULT is None or not isinstance(value, _SHARD_PLACEMENT_RESULT):
+        return None
+    info = value.mesh_info  # type: ignore[attr-defined]
+    return value.placement, info.mesh, info.shard_mesh_dim, info.replicate_mesh_dim  # type: ignore[attr-defined]
+
+
+def flatten_axes(mesh: Any, names: tuple[str, ...]) -> Any:
+    """One mesh axis made of the named axes of `mesh` (in that order)."""
+    if len(names) == 1:
+        return mesh[names[0]]
+    return mesh[names]._flatten("_".join(names))
 
 
 def queue_backward_callback(fn: Callable[[], None]) -> None:

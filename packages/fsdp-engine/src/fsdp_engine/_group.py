@@ -41,16 +41,20 @@ class ParallelSpec:
 
     The group gathers the local piece over its data-parallel axes; forward and backward see
     it as the DTensor the model was built with (same mesh, placements and global shape).
+    With `dp_mesh_dims` that mesh holds the data axes too (`data_axes`, Replicate there).
     """
 
     mesh: DeviceMesh
     placements: tuple[Placement, ...]
     shape: torch.Size
     stride: tuple[int, ...]
+    data_axes: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, param: DTensor) -> ParallelSpec:
-        return cls(param.device_mesh, tuple(param.placements), param.shape, param.stride())
+    def of(cls, param: DTensor, data_axes: tuple[int, ...] = ()) -> ParallelSpec:
+        return cls(
+            param.device_mesh, tuple(param.placements), param.shape, param.stride(), data_axes
+        )
 
     def wrap(self, local: torch.Tensor) -> DTensor:
         """`local` (this rank's piece) as the parameter's DTensor."""
@@ -63,11 +67,16 @@ class ParallelSpec:
 
         A parameter replicated over the tensor-parallel axis may get a Partial gradient
         (e.g. a norm weight under sequence parallelism): it is reduced over that axis here.
+        On data axes the gradient stays as it came (a Partial sum): the group reduces it.
         """
         if not isinstance(grad, DTensor):
             return grad
-        if tuple(grad.placements) != self.placements:
-            grad = grad.redistribute(self.mesh, self.placements)
+        target = tuple(
+            grad.placements[axis] if axis in self.data_axes else placement
+            for axis, placement in enumerate(self.placements)
+        )
+        if tuple(grad.placements) != target:
+            grad = grad.redistribute(self.mesh, target)
         return grad.to_local()
 
 
@@ -120,6 +129,7 @@ class ParamGroup:
     unloaded: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
+        self._keep_groups: dict[DBuffer, dist.ProcessGroup] = {}
         # Per DBuffer, its parameters in group order: the per-step loops below walk these
         # lists doing attribute work only (no Python call per parameter).
         self.members: dict[DBuffer, list[ManagedParam]] = {}
@@ -131,10 +141,6 @@ class ParamGroup:
         self._slots = [
             (parameter_slots(module), attr, p) for p in self.params for module, attr in p.locations
         ]
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self.mesh.size()
 
     def slots_in(
         self, modules: set[nn.Module]
@@ -192,11 +198,34 @@ class ParamGroup:
         for slots, attr, param in self._slots:
             slots[attr] = param.unsharded
 
-    def reshard(self) -> None:
-        """Frees the gathered memory and registers the sharded parameters again."""
+    def set_post_forward_parts(self, parts: int) -> None:
+        """After forward, keep 1/`parts` of each gathered buffer (`reshard_after_forward=int`).
+
+        Backward then gathers over the `parts` consecutive ranks of this rank's shard axis
+        only. The process groups are made here, once per set of ranks, by their members only.
+        """
+        self._keep_groups = {}
+        for buffer in self.buffers:
+            ranks = dist.get_process_group_ranks(buffer.mesh.get_group(buffer.shard_dim))
+            if len(ranks) % parts:
+                raise ValueError(
+                    f"reshard_after_forward={parts} must divide the size {len(ranks)} of "
+                    f"{self.label}'s shard axis; valid: "
+                    f"{[k for k in range(1, len(ranks) + 1) if len(ranks) % k == 0]}"
+                )
+            index = buffer.mesh.get_local_rank(buffer.shard_dim)
+            start = index // parts * parts
+            self._keep_groups[buffer] = _process_group(tuple(ranks[start : start + parts]))
+
+    def reshard(self, *, after_forward: bool = False) -> None:
+        """Frees the gathered memory and registers the sharded parameters again.
+
+        After forward, a group with post-forward parts keeps its share of each buffer.
+        """
         if self.is_unsharded:
+            keep = self._keep_groups if after_forward else {}
             for buffer in self.buffers:
-                buffer.reshard()
+                buffer.reshard(keep_group=keep.get(buffer))
             self._unshard_handles = []
             self.is_unsharded = False
         for slots, attr, param in self._slots:
@@ -245,14 +274,15 @@ class ParamGroup:
                     if param.sharded.grad is None:
                         buffer.sharded_grad(param.name).to_local().zero_()
                 saved[buffer] = buffer.local_grad.clone()
-        factor = config.divide_factor
-        if factor is None and config.force_sum_reduction:
-            factor = float(self.data_parallel_size)
+        summed = config.divide_factor is not None or config.force_sum_reduction
         # With a factor: gradients divided once by it, then summed over both mesh axes.
-        self._reduce_op = "avg" if factor is None else "sum"
+        self._reduce_op = "sum" if summed else "avg"
         handles = []
         with profiler_range(f"FSDP::reduce_scatter({self.label})"):
             for buffer in self.buffers:
+                factor = config.divide_factor
+                if factor is None and summed:
+                    factor = float(_data_parallel_size(buffer))
                 reduce_dtype = self.mp_policy.reduce_dtype or self._compute_dtype(buffer)
                 handles.append(
                     (
@@ -413,6 +443,27 @@ def _assigned_values(param: ManagedParam, new: object) -> torch.Tensor:
         )
     lo, hi = flat_range(sharded)
     return new.detach().reshape(-1)[lo:hi]
+
+
+_PROCESS_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def _process_group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
+    """A process group of `ranks`, made once (by its members only) and then reused."""
+    group = _PROCESS_GROUPS.get(ranks)
+    if group is None:
+        made = dist.new_group(list(ranks), use_local_synchronization=True)
+        assert made is not None  # this rank is among `ranks`
+        group = _PROCESS_GROUPS[ranks] = made
+    return group
+
+
+def _data_parallel_size(buffer: DBuffer) -> int:
+    """Ranks a buffer's gradients are averaged over: its shard axis times its replicate axis."""
+    size = buffer.mesh.size(buffer.shard_dim)
+    if buffer.replicate_dim is not None:
+        size *= buffer.mesh.size(buffer.replicate_dim)
+    return size
 
 
 def used_anywhere(groups: list[ParamGroup]) -> list[list[bool]]:

@@ -338,7 +338,7 @@ class FSDPState:
             context.post_forward_order.append(self)
         if self.group is not None and self.config.reshard_after_forward and not recompute:
             with profiler_range(f"FSDP::post_forward({self.group.label})"):
-                self.group.reshard()
+                self.group.reshard(after_forward=True)
         if torch.is_grad_enabled() and self.group is not None:
             started = [False]  # this run's backward (its outputs get several gradients)
             output = _hook_outputs(output, lambda grad: self._pre_backward(grad, started))

@@ -1,0 +1,278 @@
+"""FSDP2's argument forms beyond the defaults, run on every rank of a RankPool.
+
+`shard_placement_fn` returning Shard(d) for d > 0 (torchtitan's experts when the FSDP degree
+exceeds their number) or a `ShardPlacementResult` with the parameter's own mesh (experts beside
+expert parallelism); `dp_mesh_dims` (the full SPMD mesh and the names of its data axes); and an
+int `reshard_after_forward` (backward gathers over fewer ranks). Each trains equal to one
+process on the whole batch.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from model import Config, Decoder, loss_fn
+from rank_pool import expect_error
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from fsdp_engine import fully_shard
+from ragged_placement import RaggedShard
+
+ROWS = 2  # rows of the batch per data-parallel rank
+
+
+class Experts(nn.Module):
+    """A fused expert weight (E, H, F), each row of x through every expert, plus a bias."""
+
+    def __init__(self, num_experts: int = 2, hidden: int = 12, ffn: int = 8) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(num_experts, hidden, ffn) / hidden**0.5)
+        self.bias = nn.Parameter(torch.randn(ffn) * 0.1)
+        self.proj = nn.Linear(ffn, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.einsum("bh,ehf->bf", x, self.w) + self.bias
+        return self.proj(torch.tanh(h))
+
+
+def _batch(step: int, num_replicas: int, dim: int = 12) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(100 + step)
+    return torch.randn(num_replicas * ROWS, dim, generator=gen)
+
+
+def _sgd_steps(model: nn.Module, replica: int | None, num_replicas: int, steps: int = 2) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.3)
+    for step in range(steps):
+        x = _batch(step, num_replicas)
+        if replica is not None:
+            x = x[replica * ROWS : (replica + 1) * ROWS]
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _full(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+        for n, p in model.named_parameters()
+    }
+
+
+def _assert_equal_to(reference: nn.Module, model: nn.Module) -> None:
+    expected, got = _full(reference), _full(model)
+    assert list(got) == list(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def check_shard_dim_cuts_inside_experts() -> None:
+    """Shard(1) on (E, H, F) with E=2: cuts inside experts, trains equal to one process."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    reference = Experts()
+    model = copy.deepcopy(reference)
+    dims = {"w": Shard(1), "bias": Shard(-1), "proj.weight": None, "proj.bias": Shard(0)}
+    by_param = {p: dims[n] for n, p in model.named_parameters()}
+    fully_shard(model, mesh=mesh, shard_placement_fn=lambda p: by_param[p])
+    placement = model.w.placements[0]
+    assert isinstance(placement, RaggedShard) and placement.dims == (0, 1), placement
+    assert model.bias.placements[0].dims == (0,)
+    # Whole experts would give every rank a multiple of H * F elements of w; here some rank
+    # holds part of an expert (the planner balances rows of F elements).
+    cut_inside = torch.tensor([int(model.w.to_local().numel() % (12 * 8) != 0)])
+    dist.all_reduce(cut_inside, op=dist.ReduceOp.MAX)
+    assert cut_inside.item() == int(world > 1)
+    _sgd_steps(model, rank, world)
+    _sgd_steps(reference, None, world)
+    _assert_equal_to(reference, model)
+    expect_error(
+        ValueError,
+        lambda: fully_shard(Experts(), mesh=mesh, shard_placement_fn=lambda p: Shard(3)),
+        "valid: None, Shard(d) with -3 <= d < 3",
+    )
+    expect_error(
+        ValueError,
+        lambda: fully_shard(Experts(), mesh=mesh, shard_placement_fn=lambda p: Replicate()),
+        "shard_placement_fn returned Replicate()",
+    )
+
+
+def check_placement_result_puts_experts_on_their_own_mesh() -> None:
+    """ShardPlacementResult: experts HSDP over a (2, 2) mesh, the rest over all 4 ranks."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        HSDPMeshInfo,
+        ShardPlacementResult,
+    )
+
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (4,))
+    expert_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "efsdp"))
+    info = HSDPMeshInfo(expert_mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+    torch.manual_seed(0)
+    reference = Experts()
+    model = copy.deepcopy(reference)
+
+    def placement(param: nn.Parameter) -> Any:
+        return ShardPlacementResult(Shard(1), info) if param is model.w else None
+
+    fully_shard(model, mesh=mesh, shard_placement_fn=placement)
+    assert model.w.device_mesh.shape == (2, 2)
+    assert model.w.placements[0] == Replicate() and model.w.placements[1].dims == (0, 1)
+    assert model.proj.weight.device_mesh.shape == (4,)
+    _sgd_steps(model, rank, 4)
+    _sgd_steps(reference, None, 4)
+    _assert_equal_to(reference, model)
+
+
+class SpmdMLP(nn.Module):
+    """Two linears as DTensors on a mesh whose first axes are data axes.
+
+    With a last axis "tp": column-, then row-parallel over it. Inputs are Shard(0) on the
+    data axes (each rank its rows); weights Replicate there.
+    """
+
+    def __init__(self, mesh: Any, dim: int = 12, hidden: int = 6) -> None:
+        super().__init__()
+        self.mesh = mesh
+        self.tp = mesh.mesh_dim_names[-1] == "tp"
+        torch.manual_seed(0)
+        w1, w2 = torch.randn(hidden, dim) / dim**0.5, torch.randn(dim, hidden) / hidden**0.5
+        data = [Replicate()] * (mesh.ndim - 1 if self.tp else mesh.ndim)
+        tp1, tp2 = ([Shard(0)], [Shard(1)]) if self.tp else ([], [])
+        self.w1 = nn.Parameter(distribute_tensor(w1, mesh, data + tp1))
+        self.w2 = nn.Parameter(distribute_tensor(w2, mesh, data + tp2))
+        self.rows = [Shard(0)] * len(data) + ([Replicate()] if self.tp else [])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = DTensor.from_local(x, self.mesh, self.rows)
+        h = torch.tanh(x @ self.w1.t())
+        return (h @ self.w2.t()).redistribute(self.mesh, self.rows).to_local()
+
+
+def _one_process_mlp(model: SpmdMLP) -> nn.Module:
+    plain = nn.Module()
+    plain.w1, plain.w2 = (
+        nn.Parameter(getattr(model, n).full_tensor().clone()) for n in ("w1", "w2")
+    )
+    plain.forward = lambda x: torch.tanh(x @ plain.w1.t()) @ plain.w2.t()  # type: ignore[method-assign]
+    return plain
+
+
+def _train_against_one_process(model: SpmdMLP, plain: nn.Module, replica: int, num: int) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.3)
+    ref_opt = torch.optim.SGD(plain.parameters(), lr=0.3)
+    for step in range(2):
+        x = _batch(step, num)
+        model(x[replica * ROWS : (replica + 1) * ROWS]).pow(2).mean().backward()
+        plain(x).pow(2).mean().backward()
+        for opt_ in (opt, ref_opt):
+            opt_.step()
+            opt_.zero_grad()
+    for name in ("w1", "w2"):
+        got = getattr(model, name).full_tensor()
+        torch.testing.assert_close(got, getattr(plain, name).detach(), msg=name)
+
+
+def check_dp_mesh_dims() -> None:
+    """dp_mesh_dims on a (dp 2, tp 2) mesh and on an all-data (2, 2) mesh: as one process."""
+    from torch.distributed.fsdp import DataParallelMeshDims
+
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = SpmdMLP(mesh)
+    plain = _one_process_mlp(model)
+    fully_shard(model, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+    assert model.w1.placements[1] == Shard(0) and isinstance(model.w1.placements[0], RaggedShard)
+    _train_against_one_process(model, plain, mesh.get_local_rank("dp"), 2)
+    # All-data meshes: HSDP by names, and two axes flattened into one shard axis.
+    data = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))
+    for dims, shape in [
+        (DataParallelMeshDims(shard="shard", replicate="rep"), (2, 2)),
+        (DataParallelMeshDims(shard=("rep", "shard")), (4,)),
+    ]:
+        model = SpmdMLP(data)
+        plain = _one_process_mlp(model)
+        fully_shard(model, mesh=data, dp_mesh_dims=dims)
+        assert model.w1.device_mesh.shape == shape, (dims, model.w1.device_mesh)
+        _train_against_one_process(model, plain, rank, 4)
+    # What FSDP2 refuses too: a plain parameter, a data axis that is not Replicate.
+    expect_error(
+        ValueError,
+        lambda: fully_shard(Experts(), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp")),
+        "is a plain tensor",
+    )
+    sharded_on_dp = SpmdMLP(mesh)
+    w1 = sharded_on_dp.w1.full_tensor().detach()
+    sharded_on_dp.w1 = nn.Parameter(distribute_tensor(w1, mesh, [Shard(0), Shard(0)]))
+    expect_error(
+        ValueError,
+        lambda: fully_shard(
+            sharded_on_dp, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp")
+        ),
+        "on data axis 'dp'",
+    )
+    expect_error(
+        ValueError,
+        lambda: fully_shard(
+            SpmdMLP(mesh), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="nope")
+        ),
+        "not axes of the mesh ('dp', 'tp')",
+    )
+    expect_error(
+        ValueError,
+        lambda: fully_shard(
+            SpmdMLP(mesh), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(replicate="dp")
+        ),
+        "names no shard axis",
+    )
+
+
+def _count_kept_gathers(model: nn.Module, tokens: torch.Tensor) -> int:
+    with torch.profiler.profile() as prof:
+        loss_fn(model(tokens), tokens).backward()
+    return sum(1 for e in prof.events() if e.name == "DBuffer::all_gather_kept")
+
+
+def check_reshard_after_forward_int(parts: int) -> None:
+    """reshard_after_forward=k: backward gathers over k ranks, results as with True."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    reference = Decoder(Config())
+    models = {"int": copy.deepcopy(reference), "bool": copy.deepcopy(reference)}
+    for key, model in models.items():
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=parts if key == "int" else True)
+        fully_shard(model, mesh=mesh)
+    gen = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, Config().vocab, (world, 9), generator=gen) for _ in range(2)]
+    kept = _count_kept_gathers(models["int"], batches[0][rank : rank + 1])
+    # One per layer group when 1 < k < world; none when k == world (True) or 1 (False).
+    assert kept == (len(reference.layers) if 1 < parts < world else 0), kept
+    for model in models.values():
+        model.zero_grad()
+    opts = {k: torch.optim.SGD(m.parameters(), lr=0.1) for k, m in models.items()}
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for batch in batches:
+        for key, model in models.items():
+            loss_fn(model(batch[rank : rank + 1]), batch[rank : rank + 1]).backward()
+            opts[key].step()
+            opts[key].zero_grad()
+        loss_fn(reference(batch), batch).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for name, value in _full(models["bool"]).items():
+        assert torch.equal(_full(models["int"])[name], value), name
+    _assert_equal_to(reference, models["int"])
+    if world == 4:
+        expect_error(
+            ValueError,
+            lambda: fully_shard(nn.Linear(2, 2), mesh=mesh, reshard_after_forward=3),
+            "valid: True, False, None or one of [1, 2, 4]",
+        )
