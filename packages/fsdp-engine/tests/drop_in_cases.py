@@ -10,6 +10,7 @@ not silently untied. Each is checked against one process or plain HSDP.
 from __future__ import annotations
 
 import copy
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -177,6 +178,72 @@ def _meta_model_and_its_shards(
         for name, meta in model.state_dict().items()
     }
     return model, shards
+
+
+def _hidden(model: Decoder, tokens: torch.Tensor) -> torch.Tensor:
+    x = model.embed(tokens)
+    for layer in model.layers:
+        x = layer(x)
+    return model.norm(x)
+
+
+class _HiddenDecoder(Decoder):
+    """Its forward stops at the final norm: the loss runs the head (torchtitan's chunked loss)."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return _hidden(self, tokens)
+
+
+def _chunked_loss_backward(model: Decoder, tokens: torch.Tensor, num_chunks: int) -> None:
+    """Head and cross entropy per chunk of the sequence, a backward each, then the rest."""
+    hidden = model(tokens)
+    detached = hidden.detach().requires_grad_()
+    targets = tokens[:, 1:]
+    bounds = torch.linspace(0, targets.shape[1], num_chunks + 1).long().tolist()
+    for lo, hi in itertools.pairwise(bounds):
+        logits = model.head(detached[:, lo:hi])
+        loss = nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), targets[:, lo:hi].reshape(-1), reduction="sum"
+        )
+        (loss / targets.numel()).backward()
+    hidden.backward(detached.grad)
+
+
+def check_chunked_loss_list_group() -> None:
+    """`fully_shard([norm, head])` with the head run per chunk outside forward: as one process.
+
+    Each chunk's backward reduces the head's gradients (added to the previous chunks'); the
+    last backward, through the forward's output, reduces the rest. Forgetting that last
+    backward is refused at the next forward.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    reference = _HiddenDecoder(Config())
+    model = copy.deepcopy(reference)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard([model.norm, model.head], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(2):
+        batch = torch.randint(0, Config().vocab, (world, SEQ), generator=gen)
+        _chunked_loss_backward(model, batch[rank : rank + 1], num_chunks=3)
+        for param in model.parameters():
+            assert isinstance(param.grad, DTensor)
+        opt.step()
+        opt.zero_grad()
+        _chunked_loss_backward(reference, batch, num_chunks=3)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for (name, got), expected in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got.full_tensor(), expected.detach(), msg=name)
+    tokens = _tokens(seed=5, rows=1)
+    detached = model(tokens).detach().requires_grad_()
+    model.head(detached).sum().backward()
+    expect_error(RuntimeError, lambda: model(tokens), "no backward pass reached the root's")
 
 
 def check_tied_across_sibling_groups_is_refused() -> None:

@@ -21,3 +21,8 @@ def test_load_state_dict_assign_adopts_the_values(pools, world) -> None:
 @pytest.mark.parametrize("world", [1, 2])
 def test_weight_tied_across_sibling_groups_is_refused(pools, world) -> None:
     pools[world].run(cases.check_tied_across_sibling_groups_is_refused)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_chunked_loss_list_group(pools, world) -> None:
+    pools[world].run(cases.check_chunked_loss_list_group)

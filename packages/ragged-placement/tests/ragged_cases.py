@@ -329,6 +329,42 @@ def check_reductions(shape: tuple[int, ...], units: tuple[int, ...]) -> None:
     torch.testing.assert_close(norms[1].full_tensor(), torch.linalg.vector_norm(full * 2))
 
 
+def check_reductions_along_dims(units: tuple[int, ...]) -> None:
+    """Per-dim sum / mean / amax / amin / vector norms: local over uncut dims, else gathered."""
+    mesh = _mesh()
+    full = _full((2 * sum(units), 4, 3), seed=9)
+    cases = {  # name: (the op, the dims it reduces)
+        "norm dim 1": (lambda t: torch.linalg.norm(t, dim=1), (1,)),
+        "norm dims 1, 2": (lambda t: torch.linalg.vector_norm(t, ord=3, dim=(1, 2)), (1, 2)),
+        "sum dim -1": (lambda t: t.sum(-1), (2,)),
+        "mean keepdim": (lambda t: t.mean(dim=2, keepdim=True), (2,)),
+        "amax dim 2": (lambda t: t.amax(2), (2,)),
+        "amin dims 0, 2": (lambda t: t.amin((0, 2)), (0, 2)),
+        "sum dim 0": (lambda t: t.sum(0), (0,)),
+        "norm dim 0": (lambda t: torch.linalg.norm(t, dim=0), (0,)),
+    }
+    for cut in ((0,), (0, 1)):
+        dt = distribute_tensor(full, mesh, [RaggedShard(cut, units)], src_data_rank=None)
+        for name, (fn, dims) in cases.items():
+            got = fn(dt)
+            torch.testing.assert_close(got.full_tensor(), fn(full), msg=f"{name}, cut {cut}")
+            # Over uncut dims only: each rank reduced its own rows (same shares, no gather).
+            local = min(dims) >= len(cut)
+            expected = RaggedShard(cut, units) if local else Replicate()
+            assert got.placements == (expected,), (name, cut, got.placements)
+            if local:
+                rows = local_view(dt).shape[0]
+                assert got.to_local().numel() == rows * got.numel() // math.prod(
+                    full.shape[: len(cut)]
+                )
+    # What autograd cannot take through a per-dim norm is refused by name, not miscomputed.
+    dt = distribute_tensor(full, mesh, [RaggedShard((0,), units)], src_data_rank=None)
+    dt.requires_grad_()
+    expect_error(
+        NotImplementedError, lambda: torch.linalg.norm(dt, dim=1).sum().backward(), "unsqueeze"
+    )
+
+
 def check_clip_grad_norm(units: tuple[int, ...]) -> None:
     mesh = _mesh()
     shapes = {"ragged": (12, 4), "shard": (9, 3), "rep": (5,)}

@@ -112,6 +112,12 @@ def test_reductions(pools, world) -> None:
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
+def test_reductions_along_dims(pools, world) -> None:
+    for units in UNITS[world]:
+        pools[world].run(cases.check_reductions_along_dims, units)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
 def test_clip_grad_norm_over_mixed_placements(pools, world) -> None:
     for units in UNITS[world]:
         if 12 % sum(units) == 0:

@@ -108,6 +108,19 @@ class Context:
     manual_finalization: bool = False
     manual_active: bool = False
     finalizing: Callable[[], None] | None = None  # the pending wait of `finalize(async)`
+    # The root's forward is under way; its outputs got hooks and no gradient reached them
+    # yet; backward passes ended while they were open (a chunked loss's per-chunk passes,
+    # which reduce only the groups they reached and leave the iteration open).
+    root_in_forward: bool = False
+    root_output_open: bool = False
+    partial_passes: int = 0
+
+    def open_root_output(self) -> None:
+        self.root_output_open = True
+
+    def reach_root_output(self, grad: torch.Tensor) -> torch.Tensor:
+        self.root_output_open = False
+        return grad
 
     def reset(self) -> None:
         """Forgets the iteration in progress: every group back to IDLE."""
@@ -116,6 +129,9 @@ class Context:
         self.post_forward_order = []
         self.manual_active = False
         self.finalizing = None
+        self.root_in_forward = False
+        self.root_output_open = False
+        self.partial_passes = 0
         for state in self.states:
             state.reset()
 
@@ -170,6 +186,7 @@ class FSDPState:
     _num_post_backwards: int = 0
     _num_backward_runs_open: int = 0
     _modules_done: set[int] = field(default_factory=set)
+    _modules_needed: int = 1  # modules whose forward ends this run (all, inside the root's)
     _post_forward_positions: list[int] = field(default_factory=list)  # in post_forward_order
     # Gradients went into the group's gradient buffer with gradient sync off and no reduce
     # has taken them since (a property of the buffer: it outlives the iteration).
@@ -282,6 +299,9 @@ class FSDPState:
                 if self.is_root:
                     self._start_root_forward(context)
                 self._to(TrainingState.FORWARD)
+                # Inside the root's forward a list group's run is all its modules; outside
+                # it (a chunked loss calling the head alone) it is the module called.
+                self._modules_needed = len(self.modules) if context.root_in_forward else 1
         if first:
             if torch.is_grad_enabled() and not recompute:
                 self._num_forward_runs += 1
@@ -304,6 +324,17 @@ class FSDPState:
         return args, kwargs
 
     def _start_root_forward(self, context: Context) -> None:
+        if context.root_output_open and context.partial_passes:
+            context.reset()
+            raise RuntimeError(
+                "fully_shard: a backward pass ran on tensors computed from the root's "
+                "outputs outside its forward (a chunked loss), but no backward pass reached "
+                "the root's outputs before this forward, so the groups before them never got "
+                "their gradients reduced; backward through the root's outputs too (e.g. "
+                "hidden.backward(hidden_detached.grad)), or call finalize_backward() on the "
+                "root after the last pass"
+            )
+        context.root_in_forward = True
         if context.finalizing is not None:
             # finalize_backward(async_op=True) whose handle was not waited on: its reduces
             # must land before this iteration's gradients.
@@ -322,11 +353,30 @@ class FSDPState:
 
     def post_forward(self, module: nn.Module, output: Any) -> Any:
         self._modules_done.add(id(module))
-        if len(self._modules_done) < len(self.modules):
+        recompute = in_backward()  # activation checkpointing: backward reads these next
+        needed = len(self.modules) if recompute else self._modules_needed
+        if len(self._modules_done) < needed:
             return output  # a list group reshards after its last module
+        context = self.context
+        if self.is_root and not recompute and context is not None:
+            # A list group whose other modules run outside the root's forward (a chunked
+            # loss: `fully_shard([norm, head])`, `head` called per chunk after forward)
+            # finishes its forward with the root's: its backward starts at the root's outputs.
+            for state in context.states:
+                if state is not self and state.training_state is TrainingState.FORWARD:
+                    output = state._finish_forward(output, recompute=False)
+            context.root_in_forward = False
+        output = self._finish_forward(output, recompute)
+        if self.is_root and not recompute and context is not None and torch.is_grad_enabled():
+            output = _hook_outputs(output, context.reach_root_output, context.open_root_output)
+        if self.mp_policy.output_dtype is not None:
+            output = _cast_floats(output, self.mp_policy.output_dtype)
+        return output
+
+    def _finish_forward(self, output: Any, recompute: bool) -> Any:
+        """The end of a run's forward: reshard, record its place, hook its outputs."""
         self._modules_done = set()
         context = self.context
-        recompute = in_backward()  # activation checkpointing: backward reads these next
         if recompute:
             self._recomputing = False
         else:
@@ -334,16 +384,17 @@ class FSDPState:
         # Only forwards that a backward will follow (not an eval loop, not a recompute).
         recorded = torch.is_grad_enabled() and not recompute
         if context is not None and self.group is not None and recorded:
-            self._post_forward_positions.append(len(context.post_forward_order))
-            context.post_forward_order.append(self)
+            if context.root_in_forward or self.is_root:
+                self._post_forward_positions.append(len(context.post_forward_order))
+                context.post_forward_order.append(self)
+            else:  # a run outside the root's forward: its backward prefetches nothing
+                self._post_forward_positions.append(-1)
         if self.group is not None and self.config.reshard_after_forward and not recompute:
             with profiler_range(f"FSDP::post_forward({self.group.label})"):
                 self.group.reshard(after_forward=True)
         if torch.is_grad_enabled() and self.group is not None:
             started = [False]  # this run's backward (its outputs get several gradients)
             output = _hook_outputs(output, lambda grad: self._pre_backward(grad, started))
-        if self.mp_policy.output_dtype is not None:
-            output = _cast_floats(output, self.mp_policy.output_dtype)
         return output
 
     def _forward_targets(self, position: int) -> Sequence[FSDPState]:
@@ -458,7 +509,12 @@ class FSDPState:
     def _end_of_backward(self) -> None:
         context = self.context
         assert context is not None
-        manual = context.manual_finalization
+        # A pass that did not reach the root's outputs (a chunked loss's chunk) ends like a
+        # manually finalized one: only the groups it reached reduce; a later pass through
+        # the root's outputs ends the iteration.
+        partial = context.root_output_open and not context.manual_finalization
+        manual = context.manual_finalization or partial
+        context.partial_passes += int(partial)
         with profiler_range("FSDP::end_of_backward"):
             for state in context.states:
                 if state.needs_post_backward(manual=manual):
@@ -467,7 +523,7 @@ class FSDPState:
                 elif state.group is not None and state.config.reshard_after_backward:
                     state.group.reshard()  # e.g. prefetched but never run
             if manual:  # the iteration stays open until finalize(): only this pass ends
-                context.manual_active = True
+                context.manual_active = not partial
                 context.callback_queued = False
                 for state in context.states:
                     state.end_backward_pass()
@@ -477,6 +533,7 @@ class FSDPState:
                 context.reducing = []
             context.post_forward_order = []
             context.callback_queued = False
+            context.partial_passes = 0
             for state in context.states:
                 state.reset()
 
@@ -535,10 +592,16 @@ class _PostBackward(torch.autograd.Function):
         return new_args, new_kwargs
 
 
-def _hook_outputs(output: Any, hook: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+def _hook_outputs(
+    output: Any,
+    hook: Callable[[torch.Tensor], torch.Tensor],
+    on_hooked: Callable[[], None] | None = None,
+) -> Any:
     def register(t: torch.Tensor) -> torch.Tensor:
         if t.requires_grad:
             t.register_hook(hook)  # type: ignore[no-untyped-call]
+            if on_hooked is not None:
+                on_hooked()
         return t
 
     return map_tensors(output, register)

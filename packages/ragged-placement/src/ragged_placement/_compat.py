@@ -323,6 +323,10 @@ class Hooks(Protocol):
     def load_full(self, dt: DTensor, full: torch.Tensor) -> DTensor: ...
     def foreach_ops(self) -> list[Any]: ...
     def run_foreach(self, op: Any, args: OpArgs, kwargs: OpKwargs, fallback: OpCall) -> object: ...
+    def reduction_ops(self) -> list[Any]: ...
+    def run_reduction(
+        self, op: Any, args: OpArgs, kwargs: OpKwargs, fallback: OpCall
+    ) -> object: ...
 
 
 _installed: list[Hooks] = []
@@ -663,3 +667,10 @@ def _install(hooks: Hooks) -> None:
 
     for op in hooks.foreach_ops():
         handlers.setdefault(op, run_foreach)
+
+    # Reductions along dims (`torch.linalg.norm(w, dim=1)`): local when they skip cut dims.
+    def run_reduction(op: Any, args: OpArgs, kwargs: OpKwargs) -> object:
+        return hooks.run_reduction(op, args, kwargs, dispatch_without_handler)
+
+    for op in hooks.reduction_ops():
+        handlers.setdefault(op, run_reduction)

@@ -326,7 +326,8 @@ def propagate(op_schema: OpSchema, tensor_meta: Callable[[OpSchema], Any]) -> Ou
         return _elementwise(op_schema, tensor_meta(op_schema), flat_args)
     raise UnsupportedRaggedOpError(
         f"{op} has no sharding rule for RaggedShard inputs (supported: elementwise ops, "
-        "_foreach_* elementwise ops, and whole-tensor sum, mean, any, linalg_vector_norm, "
-        "_foreach_norm, in-place random fills). Redistribute to Replicate or Shard first, or "
+        "_foreach_* elementwise ops, whole-tensor sum, mean, any, linalg_vector_norm, "
+        "_foreach_norm, reductions along dims, in-place random fills). Redistribute to "
+        "Replicate or Shard first, or "
         "work on ragged_placement.local_view(...)."
     )
