@@ -8,6 +8,10 @@ or let it start its ranks itself on this machine (gloo on CPU):
 
     python examples/train.py --nproc 2 --engine fsdp2 --steps 100
 
+`--tp N` adds tensor parallelism, `--moe E --ep N` expert parallelism, and `--pp N` pipeline
+parallelism (each pipeline rank one stage of blocks, sharded over its data-parallel ranks,
+driven by torch's `--pp-schedule`), each under fully_shard.
+
 Every rank draws its share of the same global batch for a step, so the data (and the loss
 curve, up to floating-point summation order) does not depend on the engine or the world size.
 Rank 0 shows a progress bar, writes `<out>/<engine>.json` (losses, timings, memory, copies,
@@ -42,6 +46,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 from model import Config, Decoder, loss_fn
 from parallel import expert_parallel, tensor_parallel
+from pipeline import SCHEDULES, decoder_stage, pipeline_schedule
 from profiling import engine_copies, peak_live_bytes
 
 from fsdp_engine import clip_grad_norm_
@@ -54,7 +59,11 @@ MEASURE_STEPS = (3, 4)  # profiled (peak memory, copies), left out of the timing
 
 
 def build(args: argparse.Namespace, vocab: int, device: torch.device) -> nn.Module:
-    """The decoder, with each block and then the root sharded by the chosen engine."""
+    """The decoder, with each block and then the root sharded by the chosen engine.
+
+    With `--pp`: this rank's pipeline stage of it (`pipeline.decoder_stage`), sharded over the
+    stage's data-parallel ranks.
+    """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -77,6 +86,13 @@ def build(args: argparse.Namespace, vocab: int, device: torch.device) -> nn.Modu
         )
         tensor_parallel(model, grid["tp"])
         mesh = grid["dp"]
+    if args.pp > 1:  # (pp, dp): this rank's stage, sharded over dp
+        grid = init_device_mesh(
+            device.type, (args.pp, world // args.pp), mesh_dim_names=("pp", "dp")
+        )
+        args.pp_mesh = grid["pp"]
+        model = decoder_stage(model, grid["pp"].get_local_rank(), args.pp)  # type: ignore[assignment]
+        mesh = grid["dp"]
     if args.ep > 1:  # experts over (dp, ep); everything else over all ranks
         grid = init_device_mesh(
             device.type, (world // args.ep, args.ep), mesh_dim_names=("dp", "ep")
@@ -94,7 +110,7 @@ def build(args: argparse.Namespace, vocab: int, device: torch.device) -> nn.Modu
     if args.optimizer == "adamw8bit":  # whole 32 x 32 quantization blocks on every rank
         # (for the matrices that get 8-bit state: 2-D, at least AdamW8bit's min_8bit_numel)
         kwargs["block_rows"] = lambda fqn, p: 32 if p.dim() == 2 and p.numel() >= 4096 else 1
-    for layer in model.layers:
+    for layer in model.layers.values() if args.pp > 1 else model.layers:
         if experts_mesh is not None:
             experts = fully_shard(layer.mlp.experts, **{**kwargs, "mesh": experts_mesh})
             # An expert's gradient sums its whole ep group's: divided by every rank, it is
@@ -157,6 +173,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     device = _device(args.device, rank)
     text = Text(args.data)
     model = build(args, len(text.chars), device)  # each block, then the root, sharded
+    runner = Runner(model, args, device, len(text.chars))
     opt = make_optimizer(args.optimizer, model, args.lr)
     start = load(args.resume, model, opt) if args.resume is not None else 0
 
@@ -165,72 +182,161 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         return my_share(batch, args).to(device)
 
     def step_fn(step: int) -> float:
-        tokens = my_rows(step)
-        loss = loss_fn(model(tokens), tokens)
-        loss.backward()
-        clip_grad_norm_(model.parameters(), 1.0)  # torch's, also over several meshes (TP)
+        loss = runner.loss_and_backward(my_rows(step))
+        # torch's clip, also over several meshes (TP) and every pipeline stage's gradients
+        clip_grad_norm_(model.parameters(), 1.0, pp_mesh=args.pp_mesh)
         opt.step()
         opt.zero_grad()
-        value = loss.detach().float()
-        dist.all_reduce(value)
-        return value.item() / world
+        dist.all_reduce(loss)
+        return loss.item() / world
 
     def lead_in(step: int) -> None:
         # Gradients computed and dropped (the step itself computes them again): what the
         # engine allocates for them, and frees in the measured step, is then counted.
-        tokens = my_rows(step)
-        loss_fn(model(tokens), tokens).backward()
+        runner.loss_and_backward(my_rows(step))
         opt.zero_grad()
 
     log = _Log(args, rank, start, device)
     for step in range(start, args.steps):
         log.step(step, step_fn, lead_in)
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            log.record["val"].append((step + 1, evaluate(model, text, args, device)))
+            log.record["val"].append((step + 1, evaluate(runner, text, args, device)))
     log.close()
     if args.checkpoint is not None:
         args.checkpoint.mkdir(parents=True, exist_ok=True)
         save(args.checkpoint, model, opt, args.steps)
     record = log.finish(world, args.global_batch * args.seq_len)
     record.update(
-        sample=sample(model, text, args.sample_chars, device, args.seq_len),
-        padding_bytes=padding_bytes(model, args.engine),
+        sample=sample(runner, text, args.sample_chars, device, args.seq_len),
+        padding_bytes=runner.over_stages(padding_bytes(model, args.engine)),
         unigram_entropy=text.unigram_entropy(),
-        num_params=sum(p.numel() for p in model.parameters()),
+        num_params=runner.over_stages(sum(p.numel() for p in model.parameters())),
     )
     return record
 
 
+class Runner:
+    """A forward (and backward) of the model, or of the pipeline when each rank is a stage.
+
+    Every method is called by every rank; the results are the same on all ranks of a
+    data-parallel replica (the last stage's, sent to the others).
+    """
+
+    def __init__(
+        self, model: nn.Module, args: argparse.Namespace, device: torch.device, vocab: int
+    ) -> None:
+        self.model, self.pp_mesh, self.vocab = model, args.pp_mesh, vocab
+        self.schedule = None
+        self.batch_rows = 0  # a pipelined forward's rows: the training batch's per replica
+        self.first = self.last = True
+        if self.pp_mesh is not None:
+            self.schedule = pipeline_schedule(
+                model, self.pp_mesh, device, args.pp_schedule, args.microbatches, loss_fn
+            )
+            self.batch_rows = args.global_batch // (dist.get_world_size() // args.pp)
+            self.first = self.pp_mesh.get_local_rank() == 0
+            self.last = self.pp_mesh.get_local_rank() == self.pp_mesh.size() - 1
+
+    def loss_and_backward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The loss of `tokens` (next-token), its gradients accumulated into the parameters."""
+        if self.schedule is None:
+            loss = loss_fn(self.model(tokens), tokens)
+            loss.backward()
+            return loss.detach().float()
+        losses: list[torch.Tensor] = []
+        self.schedule.step(*self._inputs(tokens), target=self._target(tokens), losses=losses)
+        return self._from_last_stage(losses, tokens.device)
+
+    def loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The loss of `tokens`, forward only."""
+        if self.schedule is None:
+            with torch.no_grad():
+                return loss_fn(self.model(tokens), tokens).float()
+        losses: list[torch.Tensor] = []
+        with torch.no_grad():
+            self.schedule.eval(*self._inputs(tokens), target=self._target(tokens), losses=losses)
+        return self._from_last_stage(losses, tokens.device)
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The logits of `tokens` (on every pipeline rank), forward only."""
+        if self.schedule is None:
+            with torch.no_grad():
+                return self.model(tokens)
+        assert self.pp_mesh is not None
+        with torch.no_grad():
+            out = self.schedule.eval(*self._inputs(tokens), target=self._target(tokens))
+        if not self.last:
+            out = torch.empty(*tokens.shape, self.vocab, device=tokens.device)
+        dist.broadcast(out, self._last_rank(), group=self.pp_mesh.get_group())
+        return out
+
+    def over_stages(self, value: int) -> int:
+        """A per-stage count summed over the pipeline stages (the whole model's)."""
+        if self.pp_mesh is None:
+            return value
+        total = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(total, group=self.pp_mesh.get_group())
+        return int(total.item())
+
+    def _inputs(self, tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (tokens,) if self.first else ()
+
+    def _target(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        return tokens if self.last else None
+
+    def _last_rank(self) -> int:
+        assert self.pp_mesh is not None
+        return dist.get_global_rank(self.pp_mesh.get_group(), self.pp_mesh.size() - 1)
+
+    def _from_last_stage(self, losses: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        # The micro-batches' mean (the schedule scales their gradients so), sent to the stages.
+        assert self.pp_mesh is not None
+        loss = torch.stack(losses).mean().float() if self.last else torch.zeros((), device=device)
+        dist.broadcast(loss, self._last_rank(), group=self.pp_mesh.get_group())
+        return loss.detach()
+
+
 def my_share(batch: torch.Tensor, args: argparse.Namespace) -> torch.Tensor:
-    """This rank's rows: the tensor-parallel ranks of one data-parallel replica share them."""
-    replica, num_replicas = dist.get_rank() // args.tp, dist.get_world_size() // args.tp
+    """This rank's rows: the tensor-parallel ranks (or pipeline stages) of a replica share them."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    replica, num_replicas = rank // args.tp, world // args.tp
+    if args.pp > 1:  # ranks are (pp, dp): the replica is the data-parallel index
+        replica, num_replicas = rank % (world // args.pp), world // args.pp
     per_replica = batch.shape[0] // num_replicas
     return batch[replica * per_replica : (replica + 1) * per_replica]
 
 
-def evaluate(model: nn.Module, text: Text, args: argparse.Namespace, device: torch.device) -> float:
+def evaluate(runner: Runner, text: Text, args: argparse.Namespace, device: torch.device) -> float:
     """Mean validation loss over 4 fixed global batches."""
     world = dist.get_world_size()
     losses = []
-    with torch.no_grad():
-        for index in range(4):
-            batch = text.batch("val", args.seed + 1, index, args.global_batch, args.seq_len)
-            mine = my_share(batch, args).to(device)
-            losses.append(loss_fn(model(mine), mine))
+    for index in range(4):
+        batch = text.batch("val", args.seed + 1, index, args.global_batch, args.seq_len)
+        losses.append(runner.loss(my_share(batch, args).to(device)))
     value = torch.stack(losses).mean().float()
     dist.all_reduce(value)
     return value.item() / world
 
 
-def sample(model: nn.Module, text: Text, num_chars: int, device: torch.device, seq: int) -> str:
-    """Characters sampled at temperature 0.8 (every rank runs it: forward gathers need all)."""
+def sample(runner: Runner, text: Text, num_chars: int, device: torch.device, seq: int) -> str:
+    """Characters sampled at temperature 0.8 (every rank runs it: forward gathers need all).
+
+    Through a pipeline every forward has the training batch's shape (its stages were set up
+    for it): the context, right-padded (causal attention: the padding changes no earlier
+    position), fills every row.
+    """
     gen = torch.Generator().manual_seed(1234)
     ids = [text.chars.index("\n")]
-    with torch.no_grad():
-        for _ in range(num_chars):
-            context = torch.tensor([ids[-seq:]], device=device)
-            logits = model(context)[0, -1].float().cpu() / 0.8
-            ids.append(int(torch.multinomial(logits.softmax(-1), 1, generator=gen)))
+    rows = runner.batch_rows
+    for _ in range(num_chars):
+        context = ids[-(seq + 1) :] if rows else ids[-seq:]
+        if rows:
+            padded = torch.tensor(context + [0] * (seq + 1 - len(context)), device=device)
+            logits = runner.logits(padded.expand(rows, -1).contiguous())[0, len(context) - 1]
+        else:
+            logits = runner.logits(torch.tensor([context], device=device))[0, -1]
+        logits = logits.float().cpu() / 0.8
+        ids.append(int(torch.multinomial(logits.softmax(-1), 1, generator=gen)))
     return text.decode(ids[1:])
 
 
@@ -371,6 +477,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--moe", type=int, default=0, help="experts per layer (0: dense)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (dense only)")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (with --moe)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (one per rank group)")
+    parser.add_argument("--pp-schedule", choices=sorted(SCHEDULES), default="1f1b")
+    parser.add_argument("--microbatches", type=int, default=4, help="per step, with --pp")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--mixed-precision", choices=["none", "bf16"], default="none")
     parser.add_argument("--eval-every", type=int, default=50)
@@ -380,7 +489,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--resume", type=pathlib.Path, help="continue from this checkpoint")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sample-chars", type=int, default=300)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.pp_mesh = None  # set by build() with --pp
+    return args
 
 
 def check_args(args: argparse.Namespace, world: int) -> None:
@@ -390,21 +501,33 @@ def check_args(args: argparse.Namespace, world: int) -> None:
     for name in ("steps", "global_batch", "seq_len", "dim", "layers", "heads", "eval_every"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ("tp", "ep"):
+    for name in ("tp", "ep", "pp"):
         size = getattr(args, name)
         if size < 1 or world % size:
             raise UsageError(f"--{name} {size} must be >= 1 and divide the {world} ranks")
+    if args.pp > 1 and (args.tp > 1 or args.ep > 1):
+        raise UsageError("--pp in this example runs without --tp and --ep")
+    if args.pp > args.layers:
+        raise UsageError(f"--pp {args.pp} needs at least as many --layers, got {args.layers}")
+    if args.microbatches < 1:
+        raise UsageError(f"--microbatches must be >= 1, got {args.microbatches}")
     if args.tp > 1 and (args.moe or args.ep > 1):
         raise UsageError("--tp shards dense blocks in this example: use it without --moe/--ep")
     if args.ep > 1 and (not args.moe or args.moe % args.ep):
         raise UsageError(f"--ep {args.ep} needs --moe N with N a multiple of {args.ep}")
     if args.heads % args.tp:
         raise UsageError(f"--heads {args.heads} must be a multiple of --tp {args.tp}")
-    replicas = world // args.tp  # the tensor-parallel ranks of a replica share its rows
+    # The tensor-parallel ranks (or pipeline stages) of a replica share its rows.
+    replicas = world // args.tp // args.pp
     if args.global_batch % replicas:
         raise UsageError(
             f"--global-batch {args.global_batch} does not split over {replicas} data-parallel "
             f"replicas: use a multiple of {replicas} (or fewer ranks)"
+        )
+    if args.pp > 1 and (args.global_batch // replicas) % args.microbatches:
+        raise UsageError(
+            f"--global-batch {args.global_batch} gives {args.global_batch // replicas} rows per "
+            f"replica, which --microbatches {args.microbatches} does not divide"
         )
     if args.dim % args.heads:
         raise UsageError(f"--dim {args.dim} must be a multiple of --heads {args.heads}")

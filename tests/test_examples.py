@@ -76,6 +76,10 @@ def _exit_code(argv: list[str]) -> int:
         (["--seq-len", "2000000"], "longer than the val split"),
         (["--engine", "fsdp2", "--optimizer", "adamw8bit"], "use --engine ours"),
         (["--optimizer", "lion"], "invalid choice: 'lion'"),
+        (["--nproc", "2", "--pp", "3"], "--pp 3 must be >= 1 and divide the 2 ranks"),
+        (["--nproc", "2", "--pp", "2", "--tp", "2"], "runs without --tp and --ep"),
+        (["--nproc", "4", "--pp", "4", "--layers", "2"], "--pp 4 needs at least as many"),
+        (["--nproc", "2", "--pp", "2", "--microbatches", "5"], "--microbatches 5 does not"),
     ],
 )
 def test_bad_input_is_one_clear_line(tmp_path, capsys, args, message) -> None:
@@ -179,3 +183,36 @@ def test_optimizers_beside_tensor_parallelism(tmp_path, pools, optimizer) -> Non
     dp = _losses(_train(pools, 2, *args, out=tmp_path / "b"))
     for step in range(1, 5):
         assert abs(tp[step] - dp[step]) < 1e-3, (step, tp[step], dp[step])
+
+
+def test_pipeline_parallel_runs_and_resumes_without_it(tmp_path, pools) -> None:
+    # --pp 2 on 2 ranks (1F1B) and on 4 (pp 2 x dp 2, GPipe, FSDP2 too): the same training
+    # as without pipelining, up to summation order; a checkpoint saved by the pipelined run
+    # resumes on 2 ranks without it (the stages keep the blocks' names).
+    dp = _losses(_train(pools, 2, "--steps", "8", out=tmp_path / "a"))
+    checkpoint = tmp_path / "ck"
+    pp = _losses(
+        _train(
+            pools,
+            2,
+            "--pp",
+            "2",
+            "--steps",
+            "4",
+            "--checkpoint",
+            str(checkpoint),
+            out=tmp_path / "b",
+        )  # fmt: skip
+    )
+    gpipe = ("--pp", "2", "--pp-schedule", "gpipe", "--steps", "4", "--microbatches", "3")
+    ppdp = _losses(_train(pools, 4, *gpipe, out=tmp_path / "c"))
+    theirs = _losses(_train(pools, 4, *gpipe, "--engine", "fsdp2", out=tmp_path / "d"))
+    after = _losses(
+        _train(pools, 2, "--steps", "8", "--resume", str(checkpoint), out=tmp_path / "e")
+    )
+    for step in range(1, 5):
+        for name, run in (("pp", pp), ("pp x dp", ppdp), ("fsdp2 pp x dp", theirs)):
+            assert abs(run[step] - dp[step]) < 1e-4, (name, step, run[step], dp[step])
+    for step in range(5, 9):
+        assert abs(after[step] - dp[step]) < 1e-3, (step, after[step], dp[step])
+    assert dp[8] < dp[1] - 0.3  # it learns

@@ -246,6 +246,30 @@ def check_chunked_loss_list_group() -> None:
     expect_error(RuntimeError, lambda: model(tokens), "no backward pass reached the root's")
 
 
+def check_fused_adamw() -> None:
+    """torch's `AdamW(fused=True)` (torchtitan's default) steps the sharded parameters."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    reference = Decoder(Config())
+    model = copy.deepcopy(reference)
+    _shard(model, mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    gen = torch.Generator().manual_seed(6)
+    for _ in range(2):
+        batch = torch.randint(0, Config().vocab, (world, SEQ), generator=gen)
+        loss_fn(model(batch[rank : rank + 1]), batch[rank : rank + 1]).backward()
+        opt.step()
+        opt.zero_grad()
+        loss_fn(reference(batch), batch).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for (name, got), expected in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert isinstance(opt.state[got]["exp_avg"], DTensor), name
+        torch.testing.assert_close(got.full_tensor(), expected.detach(), msg=name)
+
+
 def check_tied_across_sibling_groups_is_refused() -> None:
     """An embedding tied to the output head, each sharded on its own: refused, named."""
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))

@@ -31,7 +31,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor
 
 from dbuffer import DBuffer
-from fsdp_engine import fully_shard
+from fsdp_engine import clip_grad_norm_, fully_shard
 from fsdp_engine._state import states_under
 
 DIM, NUM_EXPERTS, TOP_K = 8, 4, 2
@@ -298,3 +298,36 @@ def check_manual_finalization() -> None:
     model.zero_grad()
     model(micro[0]).square().sum().backward()  # automatic again: handed out at once
     assert all(p.grad is not None for p in model.parameters())
+
+
+def check_clip_across_stages(norm_type: float) -> None:
+    """`clip_grad_norm_(..., pp_mesh=...)`: each rank one stage's parameters, as one process.
+
+    Stage k holds parameters k, k + W, ...; the last rank holds none with a gradient (an
+    empty stage). The total norm and the clipped gradients equal torch's over all of them.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    pp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    gen = torch.Generator().manual_seed(9)
+    shapes = [(4, 3), (5,), (2, 2), (3,), (6, 1)]
+    everything = [nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    for param in everything:
+        param.grad = torch.randn(param.shape, generator=gen)
+    mine = [
+        nn.Parameter(p.detach().clone())
+        for i, p in enumerate(everything)
+        if i % world == rank and (world == 1 or rank < world - 1)
+    ]
+    for param in mine:
+        source = next(p for p in everything if p.shape == param.shape and torch.equal(p, param))
+        param.grad = source.grad.clone()
+    expected = torch.nn.utils.clip_grad_norm_(
+        [p for i, p in enumerate(everything) if world == 1 or i % world < world - 1],
+        0.5,
+        norm_type=norm_type,
+    )
+    got = clip_grad_norm_(mine, 0.5, norm_type=norm_type, pp_mesh=pp_mesh)
+    torch.testing.assert_close(got, expected)
+    for param in mine:
+        source = next(p for p in everything if torch.equal(p, param))
+        torch.testing.assert_close(param.grad, source.grad)

@@ -26,3 +26,8 @@ def test_weight_tied_across_sibling_groups_is_refused(pools, world) -> None:
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_chunked_loss_list_group(pools, world) -> None:
     pools[world].run(cases.check_chunked_loss_list_group)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_fused_adamw(pools, world) -> None:
+    pools[world].run(cases.check_fused_adamw)

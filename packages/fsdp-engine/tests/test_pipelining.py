@@ -35,3 +35,9 @@ def test_moe_stages_with_and_without_scaled_gradients(pools, schedule, scale_gra
 @pytest.mark.parametrize("world", [1, 3])
 def test_manual_backward_finalization(pools, world) -> None:
     pools[world].run(cases.check_manual_finalization)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+@pytest.mark.parametrize("world", [1, 3])
+def test_clip_across_stages(pools, world, norm_type) -> None:
+    pools[world].run(cases.check_clip_across_stages, norm_type)

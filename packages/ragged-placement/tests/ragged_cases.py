@@ -330,39 +330,85 @@ def check_reductions(shape: tuple[int, ...], units: tuple[int, ...]) -> None:
 
 
 def check_reductions_along_dims(units: tuple[int, ...]) -> None:
-    """Per-dim sum / mean / amax / amin / vector norms: local over uncut dims, else gathered."""
+    """Per-dim sum / mean / amax / amin / vector norms: gathered once, the result Replicate."""
     mesh = _mesh()
     full = _full((2 * sum(units), 4, 3), seed=9)
-    cases = {  # name: (the op, the dims it reduces)
-        "norm dim 1": (lambda t: torch.linalg.norm(t, dim=1), (1,)),
-        "norm dims 1, 2": (lambda t: torch.linalg.vector_norm(t, ord=3, dim=(1, 2)), (1, 2)),
-        "sum dim -1": (lambda t: t.sum(-1), (2,)),
-        "mean keepdim": (lambda t: t.mean(dim=2, keepdim=True), (2,)),
-        "amax dim 2": (lambda t: t.amax(2), (2,)),
-        "amin dims 0, 2": (lambda t: t.amin((0, 2)), (0, 2)),
-        "sum dim 0": (lambda t: t.sum(0), (0,)),
-        "norm dim 0": (lambda t: torch.linalg.norm(t, dim=0), (0,)),
+    cases = {
+        "norm dim 1": lambda t: torch.linalg.norm(t, dim=1),
+        "norm dims 1, 2": lambda t: torch.linalg.vector_norm(t, ord=3, dim=(1, 2)),
+        "sum dim -1": lambda t: t.sum(-1),
+        "mean keepdim": lambda t: t.mean(dim=2, keepdim=True),
+        "amax dim 2": lambda t: t.amax(2),
+        "amin dims 0, 2": lambda t: t.amin((0, 2)),
+        "sum dim 0": lambda t: t.sum(0),
     }
     for cut in ((0,), (0, 1)):
         dt = distribute_tensor(full, mesh, [RaggedShard(cut, units)], src_data_rank=None)
-        for name, (fn, dims) in cases.items():
+        for name, fn in cases.items():
             got = fn(dt)
-            torch.testing.assert_close(got.full_tensor(), fn(full), msg=f"{name}, cut {cut}")
-            # Over uncut dims only: each rank reduced its own rows (same shares, no gather).
-            local = min(dims) >= len(cut)
-            expected = RaggedShard(cut, units) if local else Replicate()
-            assert got.placements == (expected,), (name, cut, got.placements)
-            if local:
-                rows = local_view(dt).shape[0]
-                assert got.to_local().numel() == rows * got.numel() // math.prod(
-                    full.shape[: len(cut)]
-                )
-    # What autograd cannot take through a per-dim norm is refused by name, not miscomputed.
+            assert got.placements == (Replicate(),), (name, cut, got.placements)
+            torch.testing.assert_close(got.to_local(), fn(full), msg=f"{name}, cut {cut}")
+    # Autograd: a sum along a dim differentiates (its gradient is Replicate); a norm along a
+    # dim broadcasts its result against the input, which is refused by name.
     dt = distribute_tensor(full, mesh, [RaggedShard((0,), units)], src_data_rank=None)
     dt.requires_grad_()
+    (dt.sum(-1) * 2).sum().backward()
+    torch.testing.assert_close(dt.grad.full_tensor(), torch.full_like(full, 2.0))
     expect_error(
-        NotImplementedError, lambda: torch.linalg.norm(dt, dim=1).sum().backward(), "unsqueeze"
+        NotImplementedError,
+        lambda: torch.linalg.norm(dt, dim=1).sum().backward(),
+        "cannot broadcast an operand of shape",
     )
+
+
+def check_views_factories_and_gathered_ops(units: tuple[int, ...]) -> None:
+    """Views keep the RaggedShard (aliasing the local piece); new_* is Replicate; cat gathers."""
+    mesh = _mesh()
+    rows = 2 * sum(units)
+    full = _full((rows, 6), seed=11)
+    dt = distribute_tensor(full, mesh, [RaggedShard((0,), units)], src_data_rank=None)
+    views = {
+        "view (rows, 3, 2)": (lambda t: t.view(rows, 3, 2), (0,)),
+        "reshape (2 rows, 3)": (lambda t: t.reshape(2 * rows, 3), (0,)),
+        "flatten": (lambda t: t.flatten(), (0,)),
+        # Each unit is 2 rows (12 elements): whole rows of (rows / 2, 6) only if rows <= 4.
+        "unflatten(0, (2, rows / 2))": (
+            lambda t: t.unflatten(0, (2, rows // 2)),
+            (0,) if 12 % (rows // 2 * 6) == 0 else (0, 1),
+        ),
+    }
+    for name, (fn, cut) in views.items():
+        got = fn(dt)
+        assert got.placements == (RaggedShard(cut, units),), (name, got.placements)
+        assert got.to_local().data_ptr() == dt.to_local().data_ptr(), name  # an alias
+        torch.testing.assert_close(got.full_tensor(), fn(full), msg=name)
+    with torch.no_grad():  # a write through a view reaches the tensor
+        dt.view(-1).mul_(2)
+    torch.testing.assert_close(dt.full_tensor(), full * 2)
+    # Autograd through a view (the view's backward is a view of the gradient).
+    leaf = torch.nn.Parameter(dt.detach().clone())
+    (leaf.view(rows, 3, 2) * leaf.view(rows, 3, 2)).sum().backward()
+    assert leaf.grad.placements == leaf.placements
+    torch.testing.assert_close(leaf.grad.full_tensor(), 2 * leaf.detach().full_tensor())
+    leaf.grad = None
+    (leaf.view(rows, 3, 2) * 3).sum().backward()
+    torch.testing.assert_close(leaf.grad.full_tensor(), torch.full_like(full, 3.0))
+    # The gradient-accumulator idiom (`p.view_as(p)`) is refused: split-backward pipeline
+    # schedules would otherwise compute no gradient for a sharded parameter, silently. So are
+    # views that cannot keep the pieces (a copy would drop what is written through it).
+    expect_error(NotImplementedError, lambda: leaf.view_as(leaf), "identity view")
+    for fn in (lambda t: t.t(), lambda t: t.unsqueeze(1)):
+        expect_error(NotImplementedError, lambda f=fn: f(dt), "has no sharding rule")
+    fresh = dt.new_empty(5, 3)
+    assert fresh.placements == (Replicate(),) and fresh.shape == (5, 3)
+    assert dt.new_zeros(4).full_tensor().count_nonzero() == 0
+    for name, fn in {
+        "cat": lambda t: torch.cat([t, t * 3], dim=1),
+        "stack": lambda t: torch.stack([t, t]),
+    }.items():
+        got = fn(dt)
+        assert got.placements == (Replicate(),), (name, got.placements)
+        torch.testing.assert_close(got.full_tensor(), fn(full * 2), msg=name)
 
 
 def check_clip_grad_norm(units: tuple[int, ...]) -> None:
@@ -389,15 +435,23 @@ def check_clip_grad_norm(units: tuple[int, ...]) -> None:
 
 
 def check_optimizer(
-    name: str, foreach: bool, units_a: tuple[int, ...], units_b: tuple[int, ...]
+    name: str, impl: str, units_a: tuple[int, ...], units_b: tuple[int, ...]
 ) -> None:
+    """`impl`: "for-loop", "foreach" or "fused" (torch's fused kernels, run on the pieces).
+
+    Fused kernels vectorize each piece on its own, so an element may take the vector or the
+    scalar tail path in one process and the other here (6e-8 apart, fused SGD, measured).
+    """
     mesh = _mesh()
     shapes = [(4 * sum(units_a), 3), (2 * sum(units_b),)]
     placements = [RaggedShard((0,), units_a), RaggedShard((0,), units_b)]
+    how: dict[str, Any] = {"foreach": impl == "foreach"}
+    if impl == "fused":
+        how = {"fused": True}
     make = {
-        "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=foreach),
-        "adam": lambda ps: torch.optim.Adam(ps, lr=0.01, foreach=foreach),
-        "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, foreach=foreach),
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, **how),
+        "adam": lambda ps: torch.optim.Adam(ps, lr=0.01, amsgrad=True, **how),
+        "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, **how),
     }[name]
     ref = [torch.nn.Parameter(_full(s, seed=30 + i)) for i, s in enumerate(shapes)]
     dist_params = [

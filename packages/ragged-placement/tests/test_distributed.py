@@ -118,6 +118,12 @@ def test_reductions_along_dims(pools, world) -> None:
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
+def test_views_factories_and_gathered_ops(pools, world) -> None:
+    for units in UNITS[world]:
+        pools[world].run(cases.check_views_factories_and_gathered_ops, units)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
 def test_clip_grad_norm_over_mixed_placements(pools, world) -> None:
     for units in UNITS[world]:
         if 12 % sum(units) == 0:
@@ -128,8 +134,8 @@ def test_clip_grad_norm_over_mixed_placements(pools, world) -> None:
 @pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
 def test_optimizers_match_single_process(pools, world, name) -> None:
     units = UNITS[world]
-    for foreach in (False, True):
-        pools[world].run(cases.check_optimizer, name, foreach, units[0], units[-1])
+    for impl in ("for-loop", "foreach", "fused"):
+        pools[world].run(cases.check_optimizer, name, impl, units[0], units[-1])
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)

@@ -3,8 +3,9 @@
 Importing the package installs RaggedShard support into torch's own DTensor (see
 `ragged_placement._compat`): `distribute_tensor`, `DTensor.from_local`, `redistribute`,
 `full_tensor`, autograd through them, elementwise and `_foreach_*` ops, whole-tensor
-`sum` / `mean` / `any` / `linalg_vector_norm` / `_foreach_norm`, reductions along dims
-(`sum`, `mean`, `amax`, `amin`, vector norms: local over uncut dims), in-place random fills
+`sum` / `mean` / `any` / `linalg_vector_norm` / `_foreach_norm`, reductions along dims and
+joins (gathered), views that keep row-major order, torch's fused optimizer kernels, in-place
+random fills
 (`nn.init`) and loading full state dicts. DTensors without a RaggedShard are
 left exactly as torch handles them.
 

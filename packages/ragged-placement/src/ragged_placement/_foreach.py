@@ -9,6 +9,10 @@ i has, in every list, the placements, mesh and local shape of entry i of the fir
 Partial), and whose other arguments are numbers or replicated 0-d DTensors, the result is the
 op on the local tensors: nothing moves. `run` does exactly that in one pass over the lists.
 
+The fused optimizer kernels (`_fused_adamw_`, `_fused_adam_`, `_fused_sgd_`: torch's
+`fused=True`, torchtitan's default) are elementwise per entry too and take the same path; their
+per-parameter step counts are plain 0-d tensors and `max_exp_avg_sqs` is empty without amsgrad.
+
 Every other call (no RaggedShard in the first list, layouts that differ, plain tensors,
 tracing) goes to DTensor's own dispatch, unchanged.
 """
@@ -43,6 +47,17 @@ _NUMBER_CLASSES = frozenset(_NUMBERS)
 # `_foreach_norm` (clip_grad_norm_'s) has a path of its own: each entry's norm is a partial.
 _REDUCTIONS = frozenset({"_foreach_max", "_foreach_norm"})
 _NORM = aten._foreach_norm.Scalar
+_FUSED_NAMES = ("_fused_adamw_", "_fused_adam_", "_fused_sgd_")
+
+
+def fused_ops() -> list[Any]:
+    """Every overload of torch's fused optimizer kernels that this torch has."""
+    ops: list[Any] = []
+    for name in _FUSED_NAMES:
+        packet = getattr(aten, name, None)
+        if packet is not None:
+            ops.extend(getattr(packet, overload) for overload in packet.overloads())
+    return ops
 
 
 def foreach_ops() -> list[Any]:
@@ -58,14 +73,15 @@ def foreach_ops() -> list[Any]:
             takes_list = bool(arguments) and str(arguments[0].type) == "List[Tensor]"
             if takes_list and is_foreach_elementwise(op):
                 ops.append(op)
-    return [*ops, _NORM]
+    return [*ops, _NORM, *fused_ops()]
 
 
 def run(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], fallback: OpCall) -> object:
     """`op(*args, **kwargs)` on the local tensors, or through `fallback` (see the docstring)."""
     if op is _NORM:
         return _norms(args, kwargs, fallback)
-    locals_ = None if are_we_tracing() else _local_args(args, kwargs)
+    fused = op.__name__.split(".")[0] in _FUSED_NAMES
+    locals_ = None if are_we_tracing() else _local_args(args, kwargs, fused=fused)
     if locals_ is None:
         return fallback(op, args, kwargs)
     local_args, local_kwargs, specs = locals_
@@ -167,7 +183,7 @@ def _same_layout(a: DTensorSpec, b: DTensorSpec) -> bool:
 
 
 def _local_args(
-    args: tuple[Any, ...], kwargs: dict[str, Any]
+    args: tuple[Any, ...], kwargs: dict[str, Any], *, fused: bool = False
 ) -> tuple[list[Any], dict[str, Any], list[DTensorSpec]] | None:
     first = args[0]
     if not isinstance(first, list | tuple) or not first:
@@ -186,13 +202,13 @@ def _local_args(
                 _SEEN.placements.add(id(entry))
     local_args: list[Any] = [[t._local_tensor for t in first]]
     for arg in args[1:]:
-        local = _local_arg(arg, specs)
+        local = _local_arg(arg, specs, fused)
         if local is _REFUSED:
             return None
         local_args.append(local)
     local_kwargs = {}
     for name, value in kwargs.items():
-        local = _local_arg(value, specs)
+        local = _local_arg(value, specs, fused)
         if local is _REFUSED:
             return None
         local_kwargs[name] = local
@@ -202,9 +218,11 @@ def _local_args(
 _REFUSED = object()
 
 
-def _local_arg(arg: Any, specs: list[DTensorSpec]) -> Any:
+def _local_arg(arg: Any, specs: list[DTensorSpec], fused: bool = False) -> Any:
     if arg is None or isinstance(arg, _NUMBERS):
         return arg
+    if fused and _plain_scalars(arg, len(specs)):
+        return arg  # step counts (one 0-d tensor per parameter), an empty list, grad_scale
     if isinstance(arg, DTensor):  # a tensor scalar: fine if every rank holds the same one
         replicated = arg.dim() == 0 and all(isinstance(p, Replicate) for p in arg.placements)
         return arg._local_tensor if replicated else _REFUSED
@@ -223,6 +241,16 @@ def _local_arg(arg: Any, specs: list[DTensorSpec]) -> Any:
                     _SEEN.keep(other, spec)
                     _SEEN.equal.add((id(other), id(spec)))
     return [t._local_tensor for t in arg]
+
+
+def _plain_scalars(arg: Any, length: int) -> bool:
+    if type(arg) is torch.Tensor:
+        return arg.dim() == 0
+    if not isinstance(arg, list | tuple):
+        return False
+    if not arg:
+        return True
+    return len(arg) == length and all(type(t) is torch.Tensor and t.dim() == 0 for t in arg)
 
 
 def _outputs_match(out: Any, inputs: Sequence[torch.Tensor], specs: Sequence[DTensorSpec]) -> bool:

@@ -36,8 +36,6 @@ from ragged_placement._redistribute import (
     strided_chunk,
     unstrided,
 )
-from ragged_placement._reduce_dims import reduction_ops
-from ragged_placement._reduce_dims import run as run_reduction
 
 
 class RaggedHooks:
@@ -174,12 +172,6 @@ class RaggedHooks:
 
     def run_foreach(self, op: Any, args: OpArgs, kwargs: OpKwargs, fallback: OpCall) -> object:
         return run(op, args, kwargs, fallback)
-
-    def reduction_ops(self) -> list[Any]:
-        return reduction_ops()
-
-    def run_reduction(self, op: Any, args: OpArgs, kwargs: OpKwargs, fallback: OpCall) -> object:
-        return run_reduction(op, args, kwargs, fallback)
 
     @staticmethod
     def _piece_of(full: torch.Tensor, dt: DTensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 torch's DTensor computes an op on the local tensors once sharding propagation has said which
 spec each input must have and which spec the output gets. For a RaggedShard input we answer
-that question ourselves (see `_compat.install`), for three families:
+that question ourselves (see `_compat.install`):
 
 - elementwise ops (aten ops tagged pointwise, `*_like` factories, copies, dtype casts) and
   their `_foreach_*` forms: every tensor operand must have the same spec as the first
@@ -20,7 +20,13 @@ that question ourselves (see `_compat.install`), for three families:
   tensor keeps its spec; the values are drawn for the whole tensor on every rank from the
   same generator state and each rank keeps its piece (`_integration.RaggedHooks.random_fill`),
   so they equal one process's draw and do not depend on the world size.
-- anything else raises an error naming the op and the way out (redistribute first).
+- views that keep row-major order (`view`, so `reshape` / `flatten` / `unflatten`) keep the
+  pieces under the new shape (`_view_ops.py`); `new_*` factories give Replicate tensors of the
+  size asked for, with no communication; joins (`cat`, `stack`) and reductions along dims
+  gather their inputs once and give Replicate.
+- anything else raises an error naming the op and the way out (redistribute first); so do
+  views that cannot keep the pieces (`t`, `transpose`, `permute`, `unsqueeze`), since a
+  gathered copy would silently drop writes made through it.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from ragged_placement._compat import (
     norm_partial,
 )
 from ragged_placement._placement import RaggedShard, StridedRaggedShard, chunk_range
+from ragged_placement._view_ops import VIEWS, keeps_shard, propagate_view
 
 aten = torch.ops.aten
 
@@ -64,6 +71,35 @@ _REDUCTIONS = {
     aten.linalg_vector_norm.default: "norm",
     aten._foreach_norm.Scalar: "norm",
 }
+
+
+# Factories shaped by their arguments: the input lends only dtype and device, so the result is
+# a Replicate tensor of the size asked for, made on every rank without communication (as
+# DTensor does for Shard inputs; torchtitan's fused-qkv init draws its values into them).
+_NEW_FACTORIES = frozenset(
+    {
+        aten.new_empty.default,
+        aten.new_zeros.default,
+        aten.new_ones.default,
+        aten.new_full.default,
+        aten.new_empty_strided.default,
+    }
+)
+# Ops that make a new tensor from every element: the inputs are gathered once and the result
+# is Replicate, as DTensor does when it cannot keep a Shard. Joins, and reductions along dims
+# (`torch.linalg.norm(w, dim=1)`; whole-tensor ones keep their Partial rules). Views that
+# cannot keep row-major order (`t`, `transpose`, `permute`, `unsqueeze`) are not among them:
+# a gathered copy would silently drop what is written through it.
+_GATHERED = frozenset(
+    {
+        aten.cat.default,
+        aten.stack.default,
+        aten.sum.dim_IntList,
+        aten.mean.dim,
+        aten.amax.default,
+        aten.amin.default,
+    }
+)
 
 
 class UnsupportedRaggedOpError(NotImplementedError):
@@ -97,7 +133,8 @@ def is_foreach_elementwise(op: torch._ops.OpOverload) -> bool:
     if not name.startswith("_foreach_"):
         return False
     base_name = name[len("_foreach_") :].split(".")[0]
-    base = getattr(aten, base_name, None)
+    # In-place forms: `add_` is an aten op of its own, `maximum_` is not (only `maximum`).
+    base = getattr(aten, base_name, None) or getattr(aten, base_name.rstrip("_"), None)
     if base is None:
         return False
     return any(_is_elementwise(getattr(base, o)) for o in base.overloads())
@@ -258,11 +295,8 @@ def _reduction(op_schema: OpSchema, kind: str, metas: Any) -> OutputSharding:
     if kind == "norm":
         norm_ord = _as_float(args[1] if len(args) > 1 else op_schema.kwargs_schema.get("ord", 2))
         dim = args[2] if len(args) > 2 else op_schema.kwargs_schema.get("dim")
-        if dim is not None:
-            raise UnsupportedRaggedOpError(
-                f"{op_schema.op} over dims {dim} of a RaggedShard tensor; only whole-tensor norms "
-                "are supported. Redistribute to Replicate or Shard first."
-            )
+        if dim is not None:  # along dims: gathered, as the other reductions along dims
+            return _gathered(op_schema, metas)
         return OutputSharding(reduced_spec(spec, metas, kind, norm_ord))
     return OutputSharding(reduced_spec(spec, metas, kind, 0.0))
 
@@ -306,12 +340,52 @@ def _shares(spec: DTensorSpec, axis: int) -> tuple[float, ...]:
     return tuple((hi - lo) / size for lo, hi in (chunk_range(size, parts, i) for i in range(parts)))
 
 
+def _replicated(spec: object, meta: Any) -> DTensorSpec:
+    assert isinstance(spec, DTensorSpec)
+    return DTensorSpec(spec.mesh, (Replicate(),) * spec.mesh.ndim, tensor_meta=meta)
+
+
+def _gathered(op_schema: OpSchema, meta: Any) -> OutputSharding:
+    """Every DTensor operand (also inside a list) gathered; the result Replicate."""
+
+    def whole(arg: object) -> object:
+        if isinstance(arg, DTensorSpec):
+            return _replicated(arg, arg.tensor_meta)
+        if isinstance(arg, (list, tuple)):
+            return type(arg)(whole(a) for a in arg)
+        return arg
+
+    args = tuple(whole(a) for a in op_schema.args_schema)
+    first = _first_spec(op_schema.args_schema)
+    assert first is not None
+    return _finish(op_schema, args, dict(op_schema.kwargs_schema), _replicated(first, meta))
+
+
+def _first_spec(args: Sequence[object]) -> DTensorSpec | None:
+    for arg in args:
+        if isinstance(arg, DTensorSpec):
+            return arg
+        if isinstance(arg, (list, tuple)):
+            found = _first_spec(arg)
+            if found is not None:
+                return found
+    return None
+
+
 def propagate(op_schema: OpSchema, tensor_meta: Callable[[OpSchema], Any]) -> OutputSharding:
     """The output sharding of an op with at least one RaggedShard input (see module doc)."""
     op = op_schema.op
     flat_args = [*op_schema.args_schema, *op_schema.kwargs_schema.values()]
     if op in _REDUCTIONS:
         return _reduction(op_schema, _REDUCTIONS[op], tensor_meta(op_schema))
+    if op in _NEW_FACTORIES:
+        return OutputSharding(_replicated(op_schema.args_schema[0], tensor_meta(op_schema)))
+    if op in _GATHERED:
+        return _gathered(op_schema, tensor_meta(op_schema))
+    if op in VIEWS:
+        if keeps_shard(op_schema.args_schema[0]):
+            return propagate_view(op_schema, tensor_meta(op_schema), UnsupportedRaggedOpError)
+        return _gathered(op_schema, tensor_meta(op_schema))  # a copy, as DTensor's reshape
     if op in DTENSOR_RANDOM_OPS:
         if op not in RANDOM_FILLS or not has_ragged(op_schema.args_schema[0]):
             raise UnsupportedRaggedOpError(
@@ -327,7 +401,8 @@ def propagate(op_schema: OpSchema, tensor_meta: Callable[[OpSchema], Any]) -> Ou
     raise UnsupportedRaggedOpError(
         f"{op} has no sharding rule for RaggedShard inputs (supported: elementwise ops, "
         "_foreach_* elementwise ops, whole-tensor sum, mean, any, linalg_vector_norm, "
-        "_foreach_norm, reductions along dims, in-place random fills). Redistribute to "
+        "_foreach_norm, reductions along dims and cat / stack (on gathered inputs), views that "
+        "keep row-major order, new_* factories, in-place random fills). Redistribute to "
         "Replicate or Shard first, or "
         "work on ragged_placement.local_view(...)."
     )
