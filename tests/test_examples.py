@@ -191,19 +191,8 @@ def test_pipeline_parallel_runs_and_resumes_without_it(tmp_path, pools) -> None:
     # resumes on 2 ranks without it (the stages keep the blocks' names).
     dp = _losses(_train(pools, 2, "--steps", "8", out=tmp_path / "a"))
     checkpoint = tmp_path / "ck"
-    pp = _losses(
-        _train(
-            pools,
-            2,
-            "--pp",
-            "2",
-            "--steps",
-            "4",
-            "--checkpoint",
-            str(checkpoint),
-            out=tmp_path / "b",
-        )  # fmt: skip
-    )
+    saving = ("--pp", "2", "--steps", "4", "--checkpoint", str(checkpoint))
+    pp = _losses(_train(pools, 2, *saving, out=tmp_path / "b"))
     gpipe = ("--pp", "2", "--pp-schedule", "gpipe", "--steps", "4", "--microbatches", "3")
     ppdp = _losses(_train(pools, 4, *gpipe, out=tmp_path / "c"))
     theirs = _losses(_train(pools, 4, *gpipe, "--engine", "fsdp2", out=tmp_path / "d"))
