@@ -60,6 +60,9 @@ def fused_ops() -> list[Any]:
     return ops
 
 
+_FUSED_OPS = frozenset(fused_ops())
+
+
 def foreach_ops() -> list[Any]:
     """Every overload of an elementwise `_foreach_*` op whose first argument is a list."""
     ops = []
@@ -80,8 +83,7 @@ def run(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], fallback: OpCall
     """`op(*args, **kwargs)` on the local tensors, or through `fallback` (see the docstring)."""
     if op is _NORM:
         return _norms(args, kwargs, fallback)
-    fused = op.__name__.split(".")[0] in _FUSED_NAMES
-    locals_ = None if are_we_tracing() else _local_args(args, kwargs, fused=fused)
+    locals_ = None if are_we_tracing() else _local_args(args, kwargs, fused=op in _FUSED_OPS)
     if locals_ is None:
         return fallback(op, args, kwargs)
     local_args, local_kwargs, specs = locals_
