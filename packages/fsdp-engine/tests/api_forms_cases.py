@@ -255,6 +255,11 @@ def check_reshard_after_forward_int(parts: int) -> None:
     kept = _count_kept_gathers(models["int"], batches[0][rank : rank + 1])
     # One per layer group when 1 < k < world; none when k == world (True) or 1 (False).
     assert kept == (len(reference.layers) if 1 < parts < world else 0), kept
+    # The bool setter replaces the int (its one home is the group's config).
+    models["int"].layers[0].set_reshard_after_forward(True, recurse=False)
+    kept = _count_kept_gathers(models["int"], batches[0][rank : rank + 1])
+    assert kept == (len(reference.layers) - 1 if 1 < parts < world else 0), kept
+    models["int"].layers[0].set_reshard_after_forward(False, recurse=False)
     for model in models.values():
         model.zero_grad()
     opts = {k: torch.optim.SGD(m.parameters(), lr=0.1) for k, m in models.items()}

@@ -145,7 +145,7 @@ def fully_shard(
     modules = _check_modules(module)
     spmd = None if dp_mesh_dims is None else SpmdMesh.of(mesh, dp_mesh_dims)
     mesh = _resolve_mesh(mesh if spmd is None else spmd.dp_mesh)
-    reshard = _check_reshard_after_forward(reshard_after_forward)
+    reshard: bool | int | None = _check_reshard_after_forward(reshard_after_forward)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {mp_policy!r}")
     if isinstance(offload_policy, CPUOffloadPolicy):
@@ -225,8 +225,8 @@ def _check_reshard_after_forward(value: object) -> bool | None:
     raise TypeError(f"reshard_after_forward must be a bool, an int or None, got {value!r}")
 
 
-def _post_forward_parts(group: ParamGroup | None, parts: int, mesh: DeviceMesh) -> bool:
-    """`reshard_after_forward=parts`: FSDP2's meaning, resolved for the group's buffers."""
+def _post_forward_parts(group: ParamGroup | None, parts: int, mesh: DeviceMesh) -> bool | int:
+    """`reshard_after_forward=parts`: FSDP2's meaning (False for 1, True for the whole axis)."""
     world = mesh.size(mesh.ndim - 1)
     if parts < 1 or world % parts:
         raise ValueError(
@@ -235,9 +235,10 @@ def _post_forward_parts(group: ParamGroup | None, parts: int, mesh: DeviceMesh) 
         )
     if parts == 1:  # a world of one after forward: keep everything
         return False
-    if group is not None and parts < world:
-        group.set_post_forward_parts(parts)
-    return True
+    if parts == world or group is None:
+        return True
+    group.set_post_forward_parts(parts)
+    return parts
 
 
 def _check_ignored(ignored: object) -> set[nn.Parameter]:

@@ -26,8 +26,9 @@ class GroupConfig:
         2
     """
 
-    # Free the gathered parameters after forward; None until the root is known.
-    reshard_after_forward: bool | None
+    # Free the gathered parameters after forward; None until the root is known. An int k:
+    # keep 1/k of them, backward gathers over k ranks (the group made those groups).
+    reshard_after_forward: bool | int | None
     reshard_after_backward: bool = True
     unshard_in_backward: bool = True
     # Explicit prefetch targets (FSDPStates); None: the order recorded in the last iteration.

@@ -217,13 +217,14 @@ class ParamGroup:
             start = index // parts * parts
             self._keep_groups[buffer] = _process_group(tuple(ranks[start : start + parts]))
 
-    def reshard(self, *, after_forward: bool = False) -> None:
+    def reshard(self, *, keep_part: bool = False) -> None:
         """Frees the gathered memory and registers the sharded parameters again.
 
-        After forward, a group with post-forward parts keeps its share of each buffer.
+        With `keep_part` (after forward, `reshard_after_forward=k`) each buffer keeps its
+        1/k share for backward's smaller gather (see `set_post_forward_parts`).
         """
         if self.is_unsharded:
-            keep = self._keep_groups if after_forward else {}
+            keep = self._keep_groups if keep_part else {}
             for buffer in self.buffers:
                 buffer.reshard(keep_group=keep.get(buffer))
             self._unshard_handles = []

@@ -389,9 +389,10 @@ class FSDPState:
                 context.post_forward_order.append(self)
             else:  # a run outside the root's forward: its backward prefetches nothing
                 self._post_forward_positions.append(-1)
-        if self.group is not None and self.config.reshard_after_forward and not recompute:
+        after = self.config.reshard_after_forward
+        if self.group is not None and after and not recompute:
             with profiler_range(f"FSDP::post_forward({self.group.label})"):
-                self.group.reshard(after_forward=True)
+                self.group.reshard(keep_part=type(after) is int)
         if torch.is_grad_enabled() and self.group is not None:
             started = [False]  # this run's backward (its outputs get several gradients)
             output = _hook_outputs(output, lambda grad: self._pre_backward(grad, started))
