@@ -246,6 +246,32 @@ def check_chunked_loss_list_group() -> None:
     expect_error(RuntimeError, lambda: model(tokens), "no backward pass reached the root's")
 
 
+def check_loss_from_an_inner_output() -> None:
+    """A loss on a block's output caught by a hook (the root's output unused): as one process."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    reference = Decoder(Config())
+    model = copy.deepcopy(reference)
+    _shard(model, mesh)
+    caught: dict[nn.Module, torch.Tensor] = {}
+
+    def catch(block: nn.Module, _inputs: object, output: torch.Tensor) -> None:
+        caught[block] = output
+
+    for m in (model, reference):
+        m.layers[0].register_forward_hook(catch)
+    batch = _tokens(seed=8, rows=world)
+    for m, rows in ((model, batch[rank : rank + 1]), (reference, batch)):
+        m(rows)
+        caught[m.layers[0]].pow(2).mean().backward()
+    for (name, got), expected in zip(model.named_parameters(), reference.parameters(), strict=True):
+        if expected.grad is None:
+            assert got.grad is None, name
+            continue
+        torch.testing.assert_close(got.grad.full_tensor(), expected.grad, msg=name)
+
+
 def check_fused_adamw() -> None:
     """torch's `AdamW(fused=True)` (torchtitan's default) steps the sharded parameters."""
     world, rank = dist.get_world_size(), dist.get_rank()

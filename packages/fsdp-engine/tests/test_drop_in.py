@@ -29,5 +29,10 @@ def test_chunked_loss_list_group(pools, world) -> None:
 
 
 @pytest.mark.parametrize("world", [1, 3])
+def test_loss_from_an_inner_output(pools, world) -> None:
+    pools[world].run(cases.check_loss_from_an_inner_output)
+
+
+@pytest.mark.parametrize("world", [1, 3])
 def test_fused_adamw(pools, world) -> None:
     pools[world].run(cases.check_fused_adamw)

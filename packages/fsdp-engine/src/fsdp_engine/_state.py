@@ -109,10 +109,12 @@ class Context:
     manual_active: bool = False
     finalizing: Callable[[], None] | None = None  # the pending wait of `finalize(async)`
     # The root's forward is under way; its outputs got hooks and no gradient reached them
-    # yet; backward passes ended while they were open (a chunked loss's per-chunk passes,
-    # which reduce only the groups they reached and leave the iteration open).
+    # yet; group runs since the root's forward made outside it (a chunked loss's head);
+    # backward passes that ended while both held (the chunks' passes, which reduce only the
+    # groups they reached and leave the iteration open).
     root_in_forward: bool = False
     root_output_open: bool = False
+    runs_outside: int = 0
     partial_passes: int = 0
 
     def open_root_output(self) -> None:
@@ -131,6 +133,7 @@ class Context:
         self.finalizing = None
         self.root_in_forward = False
         self.root_output_open = False
+        self.runs_outside = 0
         self.partial_passes = 0
         for state in self.states:
             state.reset()
@@ -302,6 +305,8 @@ class FSDPState:
                 # Inside the root's forward a list group's run is all its modules; outside
                 # it (a chunked loss calling the head alone) it is the module called.
                 self._modules_needed = len(self.modules) if context.root_in_forward else 1
+                if not context.root_in_forward and not self.is_root:
+                    context.runs_outside += 1
         if first:
             if torch.is_grad_enabled() and not recompute:
                 self._num_forward_runs += 1
@@ -335,6 +340,7 @@ class FSDPState:
                 "root after the last pass"
             )
         context.root_in_forward = True
+        context.runs_outside = 0
         if context.finalizing is not None:
             # finalize_backward(async_op=True) whose handle was not waited on: its reduces
             # must land before this iteration's gradients.
@@ -510,10 +516,15 @@ class FSDPState:
     def _end_of_backward(self) -> None:
         context = self.context
         assert context is not None
-        # A pass that did not reach the root's outputs (a chunked loss's chunk) ends like a
-        # manually finalized one: only the groups it reached reduce; a later pass through
-        # the root's outputs ends the iteration.
-        partial = context.root_output_open and not context.manual_finalization
+        # A pass that did not reach the root's outputs, after groups ran outside the root's
+        # forward (a chunked loss's chunk), ends like a manually finalized one: only the
+        # groups it reached reduce; a later pass through the root's outputs ends the
+        # iteration. (A loss that never uses the root's outputs keeps the usual ending.)
+        partial = (
+            context.root_output_open
+            and context.runs_outside > 0
+            and not context.manual_finalization
+        )
         manual = context.manual_finalization or partial
         context.partial_passes += int(partial)
         with profiler_range("FSDP::end_of_backward"):
