@@ -272,28 +272,48 @@ def check_loss_from_an_inner_output() -> None:
         torch.testing.assert_close(got.grad.full_tensor(), expected.grad, msg=name)
 
 
-def check_fused_adamw() -> None:
-    """torch's `AdamW(fused=True)` (torchtitan's default) steps the sharded parameters."""
+def check_fused_optimizers() -> None:
+    """torch's fused AdamW (torchtitan's default) and SGD step the sharded parameters.
+
+    Each equals its foreach form on the same sharded model (states too), and AdamW equals
+    one process on the whole batch. Fused and foreach kernels round differently, so the
+    comparisons allow float32 rounding (assert_close's defaults).
+    """
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
     reference = Decoder(Config())
-    model = copy.deepcopy(reference)
-    _shard(model, mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
-    gen = torch.Generator().manual_seed(6)
-    for _ in range(2):
-        batch = torch.randint(0, Config().vocab, (world, SEQ), generator=gen)
-        loss_fn(model(batch[rank : rank + 1]), batch[rank : rank + 1]).backward()
-        opt.step()
-        opt.zero_grad()
-        loss_fn(reference(batch), batch).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    for (name, got), expected in zip(model.named_parameters(), reference.parameters(), strict=True):
-        assert isinstance(opt.state[got]["exp_avg"], DTensor), name
-        torch.testing.assert_close(got.full_tensor(), expected.detach(), msg=name)
+    makers = {
+        "adamw": lambda ps, **how: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, **how),
+        "sgd": lambda ps, **how: torch.optim.SGD(ps, lr=0.1, momentum=0.9, **how),
+    }
+    for name, make in makers.items():
+        fused, foreach = copy.deepcopy(reference), copy.deepcopy(reference)
+        _shard(fused, mesh)
+        _shard(foreach, mesh)
+        opts = {"fused": make(fused.parameters(), fused=True)}
+        opts["foreach"] = make(foreach.parameters(), foreach=True)
+        one = copy.deepcopy(reference)
+        one_opt = make(one.parameters(), fused=True)
+        gen = torch.Generator().manual_seed(6)
+        for _ in range(3):
+            batch = torch.randint(0, Config().vocab, (world, SEQ), generator=gen)
+            for key, model in (("fused", fused), ("foreach", foreach)):
+                loss_fn(model(batch[rank : rank + 1]), batch[rank : rank + 1]).backward()
+                opts[key].step()
+                opts[key].zero_grad()
+            loss_fn(one(batch), batch).backward()
+            one_opt.step()
+            one_opt.zero_grad()
+        params = zip(fused.named_parameters(), foreach.parameters(), one.parameters(), strict=True)
+        for (pname, got), other, expected in params:
+            msg = f"{name} {pname}"
+            torch.testing.assert_close(got.full_tensor(), other.full_tensor(), msg=msg)
+            torch.testing.assert_close(got.full_tensor(), expected.detach(), msg=msg)
+            for key, state in opts["fused"].state[got].items():
+                if isinstance(state, DTensor):
+                    twin = opts["foreach"].state[other][key]
+                    torch.testing.assert_close(state.full_tensor(), twin.full_tensor(), msg=msg)
 
 
 def check_tied_across_sibling_groups_is_refused() -> None:

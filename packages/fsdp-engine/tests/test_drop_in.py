@@ -33,6 +33,6 @@ def test_loss_from_an_inner_output(pools, world) -> None:
     pools[world].run(cases.check_loss_from_an_inner_output)
 
 
-@pytest.mark.parametrize("world", [1, 3])
-def test_fused_adamw(pools, world) -> None:
-    pools[world].run(cases.check_fused_adamw)
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_fused_optimizers(pools, world) -> None:
+    pools[world].run(cases.check_fused_optimizers)
