@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from model import Config, Decoder, loss_fn
 from rank_pool import expect_error
+from side_by_side import steps_side_by_side
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -262,16 +263,9 @@ def check_reshard_after_forward_int(parts: int) -> None:
     models["int"].layers[0].set_reshard_after_forward(False, recurse=False)
     for model in models.values():
         model.zero_grad()
-    opts = {k: torch.optim.SGD(m.parameters(), lr=0.1) for k, m in models.items()}
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for batch in batches:
-        for key, model in models.items():
-            loss_fn(model(batch[rank : rank + 1]), batch[rank : rank + 1]).backward()
-            opts[key].step()
-            opts[key].zero_grad()
-        loss_fn(reference(batch), batch).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+    sharded = [(m, torch.optim.SGD(m.parameters(), lr=0.1)) for m in models.values()]
+    one = (reference, torch.optim.SGD(reference.parameters(), lr=0.1))
+    steps_side_by_side(sharded, one, batches, rank, loss_fn)
     for name, value in _full(models["bool"]).items():
         assert torch.equal(_full(models["int"])[name], value), name
     _assert_equal_to(reference, models["int"])

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from model import Config, Decoder, loss_fn
 from rank_pool import expect_error
+from side_by_side import steps_side_by_side
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
@@ -294,17 +295,15 @@ def check_fused_optimizers() -> None:
         opts = {"fused": make(fused.parameters(), fused=True)}
         opts["foreach"] = make(foreach.parameters(), foreach=True)
         one = copy.deepcopy(reference)
-        one_opt = make(one.parameters(), fused=True)
         gen = torch.Generator().manual_seed(6)
-        for _ in range(3):
-            batch = torch.randint(0, Config().vocab, (world, SEQ), generator=gen)
-            for key, model in (("fused", fused), ("foreach", foreach)):
-                loss_fn(model(batch[rank : rank + 1]), batch[rank : rank + 1]).backward()
-                opts[key].step()
-                opts[key].zero_grad()
-            loss_fn(one(batch), batch).backward()
-            one_opt.step()
-            one_opt.zero_grad()
+        batches = [torch.randint(0, Config().vocab, (world, SEQ), generator=gen) for _ in range(3)]
+        steps_side_by_side(
+            [(fused, opts["fused"]), (foreach, opts["foreach"])],
+            (one, make(one.parameters(), fused=True)),
+            batches,
+            rank,
+            loss_fn,
+        )
         params = zip(fused.named_parameters(), foreach.parameters(), one.parameters(), strict=True)
         for (pname, got), other, expected in params:
             msg = f"{name} {pname}"
