@@ -303,13 +303,13 @@ def check_elementwise(shape: tuple[int, ...], units: tuple[int, ...], dtype: str
         torch.testing.assert_close(out.full_tensor(), a_full + b_full)
     torch._foreach_mul_([c, a], 0.5)
     torch.testing.assert_close(a.full_tensor(), a_full * 0.5)
+    # A broadcast operand: out of place, the operands are gathered (Replicate result); in
+    # place, writing through the pieces cannot broadcast and raises.
     broadcast = distribute_tensor(b_full[0], mesh, [Replicate()])
-    try:
-        _ = a + broadcast
-    except NotImplementedError as exc:
-        assert "cannot broadcast" in str(exc), exc
-    else:
-        raise AssertionError("broadcasting against a RaggedShard tensor must raise")
+    summed = a + broadcast
+    assert summed.placements == (Replicate(),)
+    torch.testing.assert_close(summed.full_tensor(), a.full_tensor() + b_full[0])
+    expect_error(NotImplementedError, lambda: a.add_(broadcast), "cannot broadcast")
 
 
 def check_reductions(shape: tuple[int, ...], units: tuple[int, ...]) -> None:
@@ -348,15 +348,21 @@ def check_reductions_along_dims(units: tuple[int, ...]) -> None:
             got = fn(dt)
             assert got.placements == (Replicate(),), (name, cut, got.placements)
             torch.testing.assert_close(got.to_local(), fn(full), msg=f"{name}, cut {cut}")
-    # Autograd: a sum along a dim differentiates (its gradient is Replicate); a norm along a
-    # dim broadcasts its result against the input, which is refused by name.
+    # Autograd through both: the norm's backward broadcasts its result against the input,
+    # which gathers (its gradient is Replicate); an optimizer then steps the pieces.
     dt = distribute_tensor(full, mesh, [RaggedShard((0,), units)], src_data_rank=None)
     dt.requires_grad_()
     (dt.sum(-1) * 2).sum().backward()
     torch.testing.assert_close(dt.grad.full_tensor(), torch.full_like(full, 2.0))
+    dt.grad = None
+    ref = full.clone().requires_grad_()
+    torch.linalg.norm(ref, dim=1).pow(2).sum().backward()
+    torch.linalg.norm(dt, dim=1).pow(2).sum().backward()
+    torch.testing.assert_close(dt.grad.full_tensor(), ref.grad)
+    # An in-place op cannot gather what it writes: broadcasting into a piece is refused.
     expect_error(
         NotImplementedError,
-        lambda: torch.linalg.norm(dt, dim=1).sum().backward(),
+        lambda: dt.detach().mul_(torch.linalg.norm(dt, dim=1).detach().unsqueeze(1)),
         "cannot broadcast an operand of shape",
     )
 

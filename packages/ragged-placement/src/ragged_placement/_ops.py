@@ -8,7 +8,8 @@ that question ourselves (see `_compat.install`):
   their `_foreach_*` forms: every tensor operand must have the same spec as the first
   RaggedShard operand (a same-shape operand with another spec is redistributed to it; a 0-dim
   tensor or a Python scalar broadcasts as is). The output keeps the spec; the local op runs on
-  the flat pieces, which is exact for any elementwise op.
+  the flat pieces, which is exact for any elementwise op. An out-of-place op with an operand
+  of another shape (broadcast) gathers its operands and gives Replicate.
 - whole-tensor reductions (`sum`, `mean`, `linalg_vector_norm`, `_foreach_norm` without
   `dim`): each rank reduces its piece and the output is Partial on the sharded mesh axes, so
   `full_tensor()` (or any later op) reduces across ranks: sum -> Partial("sum"), p-norm ->
@@ -189,6 +190,14 @@ def _elementwise(op_schema: OpSchema, metas: Any, args: Sequence[object]) -> Out
     else:
         ref = next(a for a in args if has_ragged(a))
     assert isinstance(ref, DTensorSpec)
+    broadcast = any(
+        isinstance(a, DTensorSpec) and a.ndim != 0 and a.shape != ref.shape for a in args
+    )
+    if broadcast and not _writes_first_arg(op_schema.op) and isinstance(metas, TensorMeta):
+        # An operand broadcast against a RaggedShard one (a norm along a dim's backward:
+        # `grad / norm` unsqueezed against the input): the pieces do not line up, so the
+        # operands are gathered and the result is Replicate (a new tensor: nothing aliased).
+        return _gathered(op_schema, metas)
     new_args = tuple(_align_operand(a, ref, op_schema.op) for a in op_schema.args_schema)
     new_kwargs = {
         k: _align_operand(v, ref, op_schema.op) for k, v in op_schema.kwargs_schema.items()
