@@ -54,7 +54,7 @@ from dbuffer._grad_buffer import FullGradBuffer
 from dbuffer._handle import Handle
 from dbuffer._outer import OuterSpec, check_rows_within_piece, outer_spec
 from dbuffer._streams import current_stream, free_storage, record_event
-from ragged_placement import RaggedShard, with_locals
+from ragged_placement import RaggedShard, cut_dims_for, with_locals
 from shard_planner import Layout, TensorSpec, plan_layout
 
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}
@@ -210,6 +210,7 @@ class DBuffer:
         # What `reshard(keep_group=...)` kept of each global buffer, and the group to gather
         # it over at the next unshard.
         self._kept: dict[torch.dtype, tuple[dist.ProcessGroup, torch.Tensor]] = {}
+        self._keep_group_ranks: dict[dist.ProcessGroup, list[int]] = {}  # checked once each
         self._grad = self._new_grad_buffer()
         self._pending_reduce: Handle | None = None
         self._local_grad: torch.Tensor | None = None
@@ -244,13 +245,8 @@ class DBuffer:
         shape = self._shapes[name]
         if self.layout.spec(name).numel:  # else nothing to shard: replicated (empty) pieces
             unit = self.layout.unit(name)
-            # The fewest leading dims whose rows the units are made of.
-            cut = next(
-                (k for k in range(1, len(shape)) if unit % math.prod(shape[k:]) == 0),
-                max(len(shape), 1),
-            )
             placements[self.shard_dim] = RaggedShard(
-                tuple(range(cut)), self.layout.local_units(name)
+                cut_dims_for(tuple(shape), unit), self.layout.local_units(name)
             )
         return placements
 
@@ -461,16 +457,23 @@ class DBuffer:
         for memory in self._global.values():
             memory.free()
 
-    def _check_keep_group(self, keep_group: dist.ProcessGroup) -> None:
-        parts, world = keep_group.size(), self._group.size()
+    def _check_keep_group(self, keep_group: dist.ProcessGroup) -> list[int]:
+        """The group's global ranks, once checked (it is given after every forward)."""
+        ranks = self._keep_group_ranks.get(keep_group)
+        if ranks is not None:
+            return ranks
+        ranks = dist.get_process_group_ranks(keep_group)
+        parts, world = len(ranks), self._group.size()
         start = self._rank // parts * parts if world % parts == 0 else -1
         expected = self._group_ranks[start : start + parts] if start >= 0 else None
-        if expected != dist.get_process_group_ranks(keep_group):
+        if expected != ranks:
             raise ValueError(
-                f"keep_group has ranks {dist.get_process_group_ranks(keep_group)}; it must be "
-                f"k consecutive ranks of this buffer's shard axis {self._group_ranks} (k "
-                f"dividing {world}) that include this rank"
+                f"keep_group has ranks {ranks}; it must be k consecutive ranks of this "
+                f"buffer's shard axis {self._group_ranks} (k dividing {world}) that include "
+                f"this rank"
             )
+        self._keep_group_ranks[keep_group] = ranks
+        return ranks
 
     def _unshard_kept(self, dtype: torch.dtype, async_op: bool) -> Handle:
         group, piece = self._kept.pop(dtype)
@@ -478,7 +481,7 @@ class DBuffer:
         size, works = piece.numel(), []
         with profiler_range("DBuffer::all_gather_kept"):
             if self._gloo_in_place:
-                for index, source in enumerate(dist.get_process_group_ranks(group)):
+                for index, source in enumerate(self._keep_group_ranks[group]):
                     chunk = buffer.narrow(0, index * size, size)
                     if index == group.rank():
                         chunk.copy_(piece)

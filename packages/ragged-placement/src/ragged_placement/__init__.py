@@ -22,7 +22,12 @@ from ragged_placement._comm_counter import Collective, CommCounter
 from ragged_placement._compat import SUPPORTED_TORCH, check_torch_version
 from ragged_placement._compat import install as _install
 from ragged_placement._integration import RaggedHooks as _RaggedHooks
-from ragged_placement._placement import RaggedShard, StridedRaggedShard, chunk_range
+from ragged_placement._placement import (
+    RaggedShard,
+    StridedRaggedShard,
+    chunk_range,
+    cut_dims_for,
+)
 from ragged_placement._views import flat_range, local_view, with_local, with_locals
 
 __version__ = "0.1.0"
@@ -36,6 +41,7 @@ __all__ = [
     "__version__",
     "check_torch_version",
     "chunk_range",
+    "cut_dims_for",
     "flat_range",
     "local_view",
     "with_local",

@@ -35,6 +35,22 @@ def chunk_range(size: int, parts: int, index: int) -> tuple[int, int]:
     return lo, min(lo + chunk, size)
 
 
+def cut_dims_for(shape: tuple[int, ...], unit: int) -> tuple[int, ...]:
+    """The fewest leading dims of `shape` whose rows a piece of `unit` elements is made of.
+
+    A RaggedShard whose every piece is a multiple of `unit` elements may declare these as
+    its `dims` (a view of the tensor keeps its pieces under the new shape with them).
+
+    Example:
+        >>> cut_dims_for((4, 3, 2), 6), cut_dims_for((4, 3, 2), 2), cut_dims_for((4, 3, 2), 1)
+        ((0,), (0, 1), (0, 1, 2))
+    """
+    for k in range(1, len(shape)):
+        if unit % math.prod(shape[k:]) == 0:
+            return tuple(range(k))
+    return tuple(range(max(len(shape), 1)))
+
+
 def _as_int_tuple(what: str, values: object) -> tuple[int, ...]:
     if isinstance(values, int) or not isinstance(values, Sequence):
         raise TypeError(f"{what} must be a tuple of ints, got {values!r}")

@@ -32,24 +32,11 @@ from ragged_placement._compat import (
     contiguous_strides,
     rewritten_call,
 )
-from ragged_placement._placement import RaggedShard
+from ragged_placement._placement import RaggedShard, cut_dims_for
 from ragged_placement._redistribute import block_shape
 
 aten = torch.ops.aten
 VIEWS = frozenset({aten.view.default, aten._unsafe_view.default})
-
-
-def cut_dims_for(shape: tuple[int, ...], unit: int) -> tuple[int, ...]:
-    """The fewest leading dims of `shape` whose rows a piece of `unit` elements is made of.
-
-    Example:
-        >>> cut_dims_for((4, 3, 2), 6), cut_dims_for((4, 3, 2), 2), cut_dims_for((4, 3, 2), 1)
-        ((0,), (0, 1), (0, 1, 2))
-    """
-    for k in range(1, len(shape)):
-        if unit % math.prod(shape[k:]) == 0:
-            return tuple(range(k))
-    return tuple(range(max(len(shape), 1)))
 
 
 def keeps_shard(spec: object) -> bool:
