@@ -232,6 +232,16 @@ def check_dp_mesh_dims() -> None:
         ),
         "names no shard axis",
     )
+    expect_error(
+        TypeError,
+        lambda: fully_shard(SpmdMLP(mesh), mesh=mesh, dp_mesh_dims="dp"),
+        "must be a torch.distributed.fsdp.DataParallelMeshDims",
+    )
+    expect_error(
+        ValueError,
+        lambda: fully_shard(SpmdMLP(mesh), mesh=None, dp_mesh_dims=DataParallelMeshDims("dp")),
+        "needs mesh: the full DeviceMesh with named axes",
+    )
 
 
 def _count_kept_gathers(model: nn.Module, tokens: torch.Tensor) -> int:

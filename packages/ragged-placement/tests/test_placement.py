@@ -1,5 +1,6 @@
 """RaggedShard as a value: validation and flat-range math (single process)."""
 
+import math
 import pickle
 
 import pytest
@@ -105,3 +106,30 @@ def test_chunk_range_rejects_bad_input() -> None:
     for size, parts, index in ((-1, 2, 0), (4, 0, 0), (4, 2, 2), (4, 2, -1)):
         with pytest.raises(ValueError, match="chunk_range needs"):
             chunk_range(size, parts, index)
+
+
+@given(
+    shape=st.lists(st.integers(1, 5), min_size=1, max_size=4),
+    rows=st.integers(1, 6),
+)
+def test_cut_dims_for_is_the_fewest_dims_whose_rows_tile_a_unit(shape, rows) -> None:
+    from ragged_placement import cut_dims_for
+
+    # A unit of `rows` rows of the trailing k dims is whole rows of those dims, and of no
+    # fewer dims unless their rows divide it too.
+    for k in range(1, len(shape) + 1):
+        unit = rows * math.prod(shape[k:])
+        cut = cut_dims_for(tuple(shape), unit)
+        assert len(cut) <= k and cut == tuple(range(len(cut)))
+        assert unit % math.prod(shape[len(cut) :]) == 0
+        if len(cut) > 1:
+            assert unit % math.prod(shape[len(cut) - 1 :]) != 0
+
+
+def test_cut_dims_for_rejects_bad_input_and_takes_empty_tensors() -> None:
+    from ragged_placement import cut_dims_for
+
+    assert cut_dims_for((3, 0), 0) == (0,)
+    for shape, unit in [((2, -1), 2), ((2, 3), -1), ((2, 3), 1.5), ((2, 3), True)]:
+        with pytest.raises(ValueError, match="cut_dims_for"):
+            cut_dims_for(shape, unit)  # type: ignore[arg-type]

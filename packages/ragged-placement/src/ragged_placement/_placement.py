@@ -44,11 +44,20 @@ def cut_dims_for(shape: tuple[int, ...], unit: int) -> tuple[int, ...]:
     Example:
         >>> cut_dims_for((4, 3, 2), 6), cut_dims_for((4, 3, 2), 2), cut_dims_for((4, 3, 2), 1)
         ((0,), (0, 1), (0, 1, 2))
+
+    Raises:
+        ValueError: a negative size in `shape`, or a `unit` that is not an int >= 0.
     """
-    for k in range(1, len(shape)):
-        if unit % math.prod(shape[k:]) == 0:
+    sizes = _as_int_tuple("cut_dims_for shape", shape)
+    if any(size < 0 for size in sizes) or isinstance(unit, bool) or not isinstance(unit, int):
+        raise ValueError(f"cut_dims_for needs sizes >= 0 and an int unit, got {shape}, {unit!r}")
+    if unit < 0:
+        raise ValueError(f"cut_dims_for unit must be >= 0, got {unit}")
+    for k in range(1, len(sizes)):
+        row = math.prod(sizes[k:])
+        if row == 0 or unit % row == 0:  # an empty tensor: any cut is whole rows
             return tuple(range(k))
-    return tuple(range(max(len(shape), 1)))
+    return tuple(range(max(len(sizes), 1)))
 
 
 def _as_int_tuple(what: str, values: object) -> tuple[int, ...]:
