@@ -42,6 +42,9 @@ TEST_DEPS = ["pytest>=8", "hypothesis>=6.100"]
 # DCP needs numpy; examples/train.py tqdm; the engine's tests build transformers models
 # and torch's DTensor test Transformer (whose module imports expecttest).
 TORCH_TEST_DEPS = [*TEST_DEPS, "numpy", "tqdm", "transformers>=5.17,<5.19", "expecttest"]
+# torchtitan's trainer against FSDP2 (tests/test_torchtitan.py): 0.3.0 needs torch >= 2.14 and
+# brings spmd_types (the spmd_types parameter tests); installed with the newest torch only.
+FRAMEWORK_DEPS = {(2, 15): ["torchtitan==0.3.0"]}
 # A CUDA torch venv takes 5-7 GB, and CI's disk is shared: three of them side by side once
 # filled it. `.ci/run` sets this, and each test session then removes its venv when it ends.
 DROP_TEST_VENVS = os.environ.get("RAGGED_FSDP_DROP_TEST_VENVS") == "1"
@@ -52,11 +55,13 @@ nox.options.sessions = ["lint", "typecheck", "planner", "build", *(f"tests({v})"
 def _install_members(session: nox.Session, torch_version: str | None) -> None:
     # One pip call: pip satisfies the sibling version ranges from the local editables.
     args = [f"torch=={torch_version}"] if torch_version else []
-    if torch_version and tuple(int(p) for p in torch_version.split(".")[:2]) > TORCH_CAP:
+    minor = tuple(int(p) for p in torch_version.split(".")[:2]) if torch_version else None
+    if minor and minor > TORCH_CAP:
         session.env["PIP_CONSTRAINT"] = os.devnull
     for folder in PACKAGES:
         args += ["-e", str(ROOT / "packages" / folder)]
-    session.install(*args, *TORCH_TEST_DEPS)
+    frameworks = FRAMEWORK_DEPS.get(minor, []) if minor else []
+    session.install(*args, *TORCH_TEST_DEPS, *frameworks)
 
 
 @nox.session

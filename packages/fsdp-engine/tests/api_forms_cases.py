@@ -285,3 +285,69 @@ def check_reshard_after_forward_int(parts: int) -> None:
             lambda: fully_shard(nn.Linear(2, 2), mesh=mesh, reshard_after_forward=3),
             "valid: True, False, None or one of [1, 2, 4]",
         )
+
+
+class PlainMLP(nn.Module):
+    """SpmdMLP's maths on plain parameters (what torchtitan's spmd_types backend builds)."""
+
+    def __init__(self, dim: int = 12, hidden: int = 6) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w1 = nn.Parameter(torch.randn(hidden, dim) / dim**0.5)
+        self.w2 = nn.Parameter(torch.randn(dim, hidden) / hidden**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ self.w1.t()) @ self.w2.t()
+
+
+def check_spmd_types_parameters() -> None:
+    """Plain parameters annotated Replicate on a data-only mesh (torch 2.15's FSDP2 takes
+    them, torchtitan's default backend makes them): sharded over the data axes, computed as
+    plain tensors, equal to one process; on a mesh with an expert-parallel axis, and under
+    spmd_types type checking, refused by name."""
+    import spmd_types as spmd
+    from spmd_types.checker import typecheck
+    from torch.distributed.fsdp import DataParallelMeshDims
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def annotated(mesh: Any, types: dict[str, Any]) -> PlainMLP:
+        model = PlainMLP()
+        for param in model.parameters():
+            spmd.assert_type(
+                param, {spmd.MeshAxis.of(mesh.get_group(n)): t for n, t in types.items()}
+            )
+        return model
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    model = annotated(mesh, {"dp_shard": spmd.R})
+    plain = PlainMLP()
+    fully_shard(model, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp_shard"))
+    assert isinstance(model.w1.placements[0], RaggedShard), model.w1.placements
+    opt = torch.optim.SGD(model.parameters(), lr=0.3)
+    ref_opt = torch.optim.SGD(plain.parameters(), lr=0.3)
+    for step in range(2):
+        x = _batch(step, world)
+        out = model(x[rank * ROWS : (rank + 1) * ROWS])
+        assert not isinstance(out, DTensor)  # the gathered parameters are plain tensors
+        out.pow(2).mean().backward()
+        plain(x).pow(2).mean().backward()
+        for opt_ in (opt, ref_opt):
+            opt_.step()
+            opt_.zero_grad()
+    for name in ("w1", "w2"):
+        torch.testing.assert_close(
+            getattr(model, name).full_tensor(), getattr(plain, name).detach(), msg=name
+        )
+    with typecheck(local=False):
+        expect_error(NotImplementedError, lambda: model(_batch(0, 1)), "type checking off")
+    if world == 4:
+        two = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "ep"))
+        expert = annotated(two, {"dp_shard": spmd.R, "ep": spmd.S(0)})
+        expect_error(
+            NotImplementedError,
+            lambda: fully_shard(
+                expert, mesh=two, dp_mesh_dims=DataParallelMeshDims(shard="dp_shard")
+            ),
+            "non-data axes ['ep']",
+        )

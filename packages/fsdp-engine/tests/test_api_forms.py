@@ -28,3 +28,10 @@ def test_dp_mesh_dims(pools) -> None:
 @pytest.mark.parametrize(("world", "parts"), [(4, 2), (4, 4), (3, 3), (2, 1)])
 def test_reshard_after_forward_int(pools, world, parts) -> None:
     pools[world].run(cases.check_reshard_after_forward_int, parts)
+
+
+@needs_spmd_api
+@pytest.mark.parametrize("world", [2, 4])
+def test_spmd_types_parameters(pools, world) -> None:
+    pytest.importorskip("spmd_types", reason="spmd_types comes with torchtitan (newest torch)")
+    pools[world].run(cases.check_spmd_types_parameters)

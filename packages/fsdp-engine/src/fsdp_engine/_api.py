@@ -160,13 +160,17 @@ def fully_shard(
     if spmd is not None:
         for param, fqn in found.names.items():
             found.inputs[param] = spmd.split(param, fqn)
-            found.data_axes[param] = spmd.data_axes
+            if isinstance(param, DTensor):
+                found.data_axes[param] = spmd.data_axes
+            else:  # a plain one with spmd_types annotations computes as one
+                found.spmd_typed = True
     placements = _resolve_placements(found, shard_placement_fn, mesh)
     rows = _resolve_block_rows(block_rows, found)
     group = _build_group(found, rows, placements, mesh, mp_policy, type(modules[0]).__name__)
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         reshard = _post_forward_parts(group, reshard_after_forward, mesh)
     state = FSDPState(modules, group, GroupConfig(reshard_after_forward=reshard), mp_policy)
+    state.spmd_typed = found.spmd_typed
     for mod in modules:
         _install(mod, state)
         # What torch's fully_shard marks on the modules it manages: transformers reads it
@@ -262,6 +266,7 @@ class _Found:
         # non-data axes), and which axes of its mesh are data axes.
         self.inputs: dict[nn.Parameter, torch.Tensor] = {}
         self.data_axes: dict[nn.Parameter, tuple[int, ...]] = {}
+        self.spmd_typed = False  # a plain parameter with spmd_types annotations was taken
 
 
 def _collect_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]) -> _Found:
@@ -362,13 +367,21 @@ def _resolve_placements(
         target = default
         on_own_mesh = placement_result(result)
         if on_own_mesh is not None:
-            result, own_mesh, shard_axis, replicate_axis = on_own_mesh
+            result, own_mesh, shard_axis, replicate_axis, full, dims = on_own_mesh
             if shard_axis is None:
                 raise ValueError(
                     f"shard_placement_fn returned a ShardPlacementResult for {fqn!r} whose "
                     f"mesh_info has no shard axis (DDP): fsdp_engine shards every parameter"
                 )
             target = _Placement(1, own_mesh, shard_axis, replicate_axis)
+            if full is not None:  # its own full SPMD mesh with its own data axes
+                own_spmd = SpmdMesh.of(full, dims)
+                found.inputs[param] = own_spmd.split(param, fqn)
+                found.data_axes.pop(param, None)
+                if isinstance(param, DTensor):
+                    found.data_axes[param] = own_spmd.data_axes
+                else:
+                    found.spmd_typed = True
         if result is None:
             out[param] = target
             continue

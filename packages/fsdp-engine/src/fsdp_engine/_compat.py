@@ -35,7 +35,8 @@
 - `placement_result(value)`: reads torch's `ShardPlacementResult` (torch 2.13+, a private
   dataclass of `_fully_shard._fsdp_common` that `shard_placement_fn` may return to put one
   parameter on its own mesh: experts beside expert parallelism) into (placement, mesh,
-  shard axis, replicate axis); None for anything else.
+  shard axis, replicate axis, and its full SPMD mesh and `DataParallelMeshDims` where
+  torch 2.15 made it from those); None for anything else.
 - `flatten_axes(mesh, names)`: `DeviceMesh._flatten`, the one way to make one axis of several
   named ones (`DataParallelMeshDims(shard=("dp_shard", "cp"))`).
 Tested on the torch versions `ragged_placement.SUPPORTED_TORCH` names; others are refused at
@@ -100,12 +101,21 @@ def _private_fsdp_common() -> Any:
 _SHARD_PLACEMENT_RESULT: type | None = getattr(_private_fsdp_common(), "ShardPlacementResult", None)
 
 
-def placement_result(value: object) -> tuple[object, Any, int, int | None] | None:
-    """(placement, mesh, shard axis, replicate axis) of a torch `ShardPlacementResult`."""
+def placement_result(
+    value: object,
+) -> tuple[object, Any, int, int | None, Any, Any] | None:
+    """(placement, mesh, shard axis, replicate axis, full mesh, dp_mesh_dims) of one.
+
+    For a torch `ShardPlacementResult`, else None; the last two are None unless its mesh
+    info was made from a full SPMD mesh with `DataParallelMeshDims` (torch 2.15).
+    """
     if _SHARD_PLACEMENT_RESULT is None or not isinstance(value, _SHARD_PLACEMENT_RESULT):
         return None
-    info = value.mesh_info  # type: ignore[attr-defined]
-    return value.placement, info.mesh, info.shard_mesh_dim, info.replicate_mesh_dim  # type: ignore[attr-defined]
+    info: Any = value.mesh_info  # type: ignore[attr-defined]
+    dims = getattr(info, "dp_mesh_dims", None)
+    full = getattr(info, "spmd_mesh", None) if dims is not None else None
+    placement = value.placement  # type: ignore[attr-defined]
+    return placement, info.mesh, info.shard_mesh_dim, info.replicate_mesh_dim, full, dims
 
 
 def flatten_axes(mesh: Any, names: tuple[str, ...]) -> Any:

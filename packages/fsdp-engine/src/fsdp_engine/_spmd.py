@@ -12,7 +12,9 @@ placement (a Partial sum to be reduce-scattered) until the group reduces them.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,6 +22,33 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from fsdp_engine._compat import flatten_axes
+
+
+def _spmd_types() -> Any:
+    """The spmd_types module (torchtitan's dependency), or None where it is not installed."""
+    try:
+        return importlib.import_module("spmd_types")
+    except ImportError:
+        return None
+
+
+def _spmd_annotated(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` carries spmd_types annotations."""
+    spmd_types = _spmd_types()
+    return spmd_types is not None and bool(spmd_types.get_local_type(tensor))
+
+
+def refuse_spmd_type_checking() -> None:
+    """Raises while spmd_types type checking is on.
+
+    Our gathers and reduces would run unannotated tensors through its checks, and gathered
+    parameters carry no annotations.
+    """
+    if _spmd_types().is_type_checking():
+        raise NotImplementedError(
+            "fully_shard: parameters with spmd_types annotations train with spmd_types type "
+            "checking off only (torchtitan: debug.spmd_typechecking=False, its default)"
+        )
 
 
 def _names(what: str, value: object, valid: tuple[str, ...]) -> tuple[str, ...]:
@@ -86,6 +115,21 @@ class SpmdMesh:
         data_axes = tuple(valid.index(n) for n in (*replicate, *shard))
         return cls(mesh, tuple(sorted(data_axes)), dp_mesh)
 
+    def _plain_on_data_axes(self, param: nn.Parameter, fqn: str) -> torch.Tensor:
+        names = self.full.mesh_dim_names or ()
+        other = [
+            names[a]
+            for a in range(self.full.ndim)
+            if a not in self.data_axes and self.full.size(a) > 1  # one rank: nothing to split
+        ]
+        if other:
+            raise NotImplementedError(
+                f"parameter {fqn!r} is a plain tensor with spmd_types annotations on a mesh "
+                f"with non-data axes {other}: fsdp_engine takes those only when every axis is "
+                f"a data axis; make it a DTensor on the mesh (Shard/Replicate on {other})"
+            )
+        return param
+
     def split(self, param: nn.Parameter, fqn: str) -> torch.Tensor:
         """What the DBuffer shards for `param`: its piece on the non-data axes.
 
@@ -95,6 +139,8 @@ class SpmdMesh:
             ValueError: a plain tensor (as FSDP2), a DTensor on another mesh, or not
                 Replicate on a data axis.
         """
+        if not isinstance(param, DTensor) and _spmd_annotated(param):
+            return self._plain_on_data_axes(param, fqn)
         if not isinstance(param, DTensor):
             raise ValueError(
                 f"parameter {fqn!r} is a plain tensor; with dp_mesh_dims every parameter must "

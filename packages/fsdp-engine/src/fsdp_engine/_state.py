@@ -37,6 +37,7 @@ from fsdp_engine._compat import (
 )
 from fsdp_engine._config import GroupConfig
 from fsdp_engine._group import ParamGroup, used_anywhere
+from fsdp_engine._spmd import refuse_spmd_type_checking
 
 STATE_ATTR = "_fsdp_engine_state"  # where fully_shard keeps a module's FSDPState
 
@@ -114,6 +115,7 @@ class Context:
     # groups they reached and leave the iteration open).
     root_in_forward: bool = False
     root_output_open: bool = False
+    spmd_typed: bool = False  # some state's spmd_typed
     runs_outside: int = 0
     partial_passes: int = 0
 
@@ -181,6 +183,8 @@ class FSDPState:
     # context of the tree this state ends up in takes them at lazy init.
     pending_context_settings: dict[str, Any] = field(default_factory=dict)
     is_root: bool = False
+    # Some parameter is a plain tensor with spmd_types annotations (`_spmd.py`).
+    spmd_typed: bool = False
     training_state: TrainingState = TrainingState.IDLE
     # Per iteration, counted per forward run (a module may run more than once): runs with
     # autograd recording, post-backwards done, and runs whose backward started but whose
@@ -270,6 +274,7 @@ class FSDPState:
                     "under another root; run forward on one root module"
                 )
         context = Context(states)
+        context.spmd_typed = any(state.spmd_typed for state in states)
         for state in [*states, self]:  # the root's own settings last: they win
             for name, value in state.pending_context_settings.items():
                 setattr(context, name, value)
@@ -339,6 +344,8 @@ class FSDPState:
                 "hidden.backward(hidden_detached.grad)), or call finalize_backward() on the "
                 "root after the last pass"
             )
+        if context.spmd_typed:
+            refuse_spmd_type_checking()
         context.root_in_forward = True
         context.runs_outside = 0
         if context.finalizing is not None:
