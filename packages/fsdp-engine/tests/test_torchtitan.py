@@ -98,6 +98,11 @@ def runs(folder: pathlib.Path) -> dict[str, dict]:
     return runs
 
 
+def _worst(ours: list[float], theirs: list[float]) -> float:
+    assert len(ours) == len(theirs), (ours, theirs)
+    return max(abs(a - b) for a, b in zip(ours, theirs, strict=True))
+
+
 def _losses(report: dict) -> list[float]:
     return [step["loss"] for step in report["steps"]]
 
@@ -112,7 +117,7 @@ def test_finds_our_modules_as_fsdp2_modules(runs: dict[str, dict]) -> None:
 def test_losses_equal_fsdp2_in_float32(runs: dict[str, dict]) -> None:
     ours, fsdp2 = _losses(runs["ours"]), _losses(runs["fsdp2"])
     assert len(ours) == len(fsdp2) == STEPS
-    worst = max(abs(a - b) for a, b in zip(ours, fsdp2, strict=True))
+    worst = _worst(ours, fsdp2)
     print(f"llama3 fp32: max |loss - FSDP2's| over {STEPS} steps {worst:.2e}; {ours}")
     assert worst < 1e-4, (ours, fsdp2)
     assert ours[-1] < ours[0] - 0.5, ours  # it learns
@@ -134,7 +139,7 @@ def test_resume_from_a_checkpoint(runs: dict[str, dict], source: str) -> None:
     assert [s["step"] for s in resumed] == list(range(6, STEPS + 1))
     expected = _losses(runs["ours"])[5:]
     got = _losses(runs[f"resume_{source}"])
-    worst = max(abs(a - b) for a, b in zip(got, expected, strict=True))
+    worst = _worst(got, expected)
     print(f"resumed from {source}'s step 5: max |loss - uninterrupted| {worst:.2e}")
     assert worst < 1e-5, (got, expected)
 
@@ -142,7 +147,7 @@ def test_resume_from_a_checkpoint(runs: dict[str, dict], source: str) -> None:
 def test_losses_equal_fsdp2_in_bfloat16(runs: dict[str, dict]) -> None:
     ours, fsdp2 = _losses(runs["bf16_ours"]), _losses(runs["bf16_fsdp2"])
     assert len(ours) == len(fsdp2) == STEPS
-    worst = max(abs(a - b) for a, b in zip(ours, fsdp2, strict=True))
+    worst = _worst(ours, fsdp2)
     print(f"llama3 bf16: max |loss - FSDP2's| over {STEPS} steps {worst:.2e}")
     assert worst < 5e-4, (ours, fsdp2)
 
@@ -154,7 +159,7 @@ def test_moe_debug_model_equals_fsdp2(folder: pathlib.Path) -> None:
     fsdp2 = _losses(_run(folder, "ds_fsdp2", "--engine", "fsdp2", *start))
     ours = _losses(_run(folder, "ds_ours", "--engine", "ours", *start))
     assert len(ours) == 6, ours
-    worst = max(abs(a - b) for a, b in zip(ours, fsdp2, strict=True))
+    worst = _worst(ours, fsdp2)
     print(f"deepseek_v3 fp32: max |loss - FSDP2's| over 6 steps {worst:.2e}")
     assert worst < 1e-4, (ours, fsdp2)
 

@@ -159,11 +159,7 @@ def fully_shard(
     found = _collect_params(modules, ignored)
     if spmd is not None:
         for param, fqn in found.names.items():
-            found.inputs[param] = spmd.split(param, fqn)
-            if isinstance(param, DTensor):
-                found.data_axes[param] = spmd.data_axes
-            else:  # a plain one with spmd_types annotations computes as one
-                found.spmd_typed = True
+            found.take_spmd(param, fqn, spmd)
     placements = _resolve_placements(found, shard_placement_fn, mesh)
     rows = _resolve_block_rows(block_rows, found)
     group = _build_group(found, rows, placements, mesh, mp_policy, type(modules[0]).__name__)
@@ -267,6 +263,15 @@ class _Found:
         self.inputs: dict[nn.Parameter, torch.Tensor] = {}
         self.data_axes: dict[nn.Parameter, tuple[int, ...]] = {}
         self.spmd_typed = False  # a plain parameter with spmd_types annotations was taken
+
+    def take_spmd(self, param: nn.Parameter, fqn: str, spmd: SpmdMesh) -> None:
+        """`param` on the full SPMD mesh `spmd`: what its DBuffer shards, its data axes."""
+        self.inputs[param] = spmd.split(param, fqn)
+        self.data_axes.pop(param, None)
+        if isinstance(param, DTensor):
+            self.data_axes[param] = spmd.data_axes
+        else:  # a plain one with spmd_types annotations computes as one
+            self.spmd_typed = True
 
 
 def _collect_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]) -> _Found:
@@ -375,13 +380,7 @@ def _resolve_placements(
                 )
             target = _Placement(1, own_mesh, shard_axis, replicate_axis)
             if full is not None:  # its own full SPMD mesh with its own data axes
-                own_spmd = SpmdMesh.of(full, dims)
-                found.inputs[param] = own_spmd.split(param, fqn)
-                found.data_axes.pop(param, None)
-                if isinstance(param, DTensor):
-                    found.data_axes[param] = own_spmd.data_axes
-                else:
-                    found.spmd_typed = True
+                found.take_spmd(param, fqn, SpmdMesh.of(full, dims))
         if result is None:
             out[param] = target
             continue
