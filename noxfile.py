@@ -42,9 +42,10 @@ TEST_DEPS = ["pytest>=8", "hypothesis>=6.100"]
 # DCP needs numpy; examples/train.py tqdm; the engine's tests build transformers models
 # and torch's DTensor test Transformer (whose module imports expecttest).
 TORCH_TEST_DEPS = [*TEST_DEPS, "numpy", "tqdm", "transformers>=5.17,<5.19", "expecttest"]
-# torchtitan's trainer against FSDP2 (tests/test_torchtitan.py): 0.3.0 needs torch >= 2.14 and
-# brings spmd_types (the spmd_types parameter tests); installed with the newest torch only.
-FRAMEWORK_DEPS = {(2, 15): ["torchtitan==0.3.0"]}
+# Frameworks that drive FSDP2, run with ours swapped in (tests/test_torchtitan.py,
+# test_accelerate.py): torchtitan 0.3.0 needs torch >= 2.14 and brings spmd_types (the
+# spmd_types parameter tests); installed with the newest torch only.
+FRAMEWORK_DEPS = {(2, 15): ["torchtitan==0.3.0", "accelerate==1.15.0"]}
 # A CUDA torch venv takes 5-7 GB, and CI's disk is shared: three of them side by side once
 # filled it. `.ci/run` sets this, and each test session then removes its venv when it ends.
 DROP_TEST_VENVS = os.environ.get("RAGGED_FSDP_DROP_TEST_VENVS") == "1"

@@ -351,3 +351,74 @@ def check_spmd_types_parameters() -> None:
             ),
             "non-data axes ['ep']",
         )
+
+
+class _Seen(nn.Module):
+    """A linear layer that records the dtype its forward receives, then runs in its own."""
+
+    def __init__(self, name: str, seen: list[tuple[str, torch.dtype]]) -> None:
+        super().__init__()
+        self.name, self.seen = name, seen
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append((self.name, x.dtype))
+        return self.lin(x.to(self.lin.weight.dtype))
+
+
+def check_mixed_precision_casts() -> None:
+    """`MixedPrecisionPolicy`'s `cast_forward_inputs` and `output_dtype`, as FSDP2 applies them.
+
+    Root group in bf16 with float32 outputs; inside it a float32 group that does not cast its
+    inputs, a float32 group that does, and a bf16 group. The dtype each module receives, the
+    output dtypes and the gradients equal FSDP2's on the same model; the expected dtypes are
+    spelled out too, so that both engines doing the same wrong thing fails.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    bf16, fp32 = torch.bfloat16, torch.float32
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    policies = {
+        "keep": MixedPrecisionPolicy(param_dtype=fp32, cast_forward_inputs=False),
+        "cast": MixedPrecisionPolicy(param_dtype=fp32),
+        "half": MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32),
+    }
+    root_policy = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32, output_dtype=fp32)
+    torch.manual_seed(0)
+    runs = {}
+    for engine, shard in (("ours", fully_shard), ("fsdp2", torch_fully_shard)):
+        seen: list[tuple[str, torch.dtype]] = []
+        torch.manual_seed(0)
+        model = nn.Sequential(*(_Seen(name, seen) for name in ("root", "keep", "cast", "half")))
+        for index, name in enumerate(policies, start=1):
+            shard(model[index], mesh=mesh, mp_policy=policies[name])
+        shard(model, mesh=mesh, mp_policy=root_policy)
+        x = torch.randn(3, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
+        out = model(x)
+        out.square().sum().backward()
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        runs[engine] = (seen, out, grads)
+    expected = [("root", bf16), ("keep", bf16), ("cast", fp32), ("half", bf16)]
+    assert runs["ours"][0] == runs["fsdp2"][0] == expected, (runs["ours"][0], runs["fsdp2"][0])
+    assert runs["ours"][1].dtype == runs["fsdp2"][1].dtype == fp32
+    torch.testing.assert_close(runs["ours"][1], runs["fsdp2"][1])
+    for name, grad in runs["ours"][2].items():
+        assert grad.dtype == fp32, (name, grad.dtype)
+        torch.testing.assert_close(grad, runs["fsdp2"][2][name], msg=name)
+
+
+def check_param_dtype_override_is_refused() -> None:
+    """torch 2.15's per-parameter `param_dtype_override_fn`: refused by name, not ignored."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, param_dtype_override_fn=lambda p: torch.float32
+    )
+    model = nn.Linear(4, 4)
+    expect_error(
+        NotImplementedError,
+        lambda: fully_shard(model, mesh=mesh, mp_policy=policy),
+        "param_dtype_override_fn",
+    )

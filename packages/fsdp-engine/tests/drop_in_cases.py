@@ -315,6 +315,49 @@ def check_fused_optimizers() -> None:
                     torch.testing.assert_close(state.full_tensor(), twin.full_tensor(), msg=msg)
 
 
+def check_grad_scaler() -> None:
+    """`torch.amp.GradScaler` on the sharded gradients, as with FSDP2.
+
+    Three scaled steps against one process with its own scaler; at step 1 an inf lands in a
+    single element of rank 0's gradient shard only (and in the reference's same element):
+    every rank must find it and skip that step (a rank that stepped would diverge silently),
+    and the scale backs off the same everywhere.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    reference = Decoder(Config())
+    model = copy.deepcopy(reference)
+    _shard(model, mesh)
+    runs = []
+    for net in (model, reference):
+        runs.append((net, torch.optim.SGD(net.parameters(), lr=0.1), torch.amp.GradScaler("cpu")))
+    for step in range(3):
+        tokens = _tokens(20 + step, rows=world)
+        for net, opt, scaler in runs:
+            batch = tokens[rank : rank + 1] if net is model else tokens  # mean loss: the same
+            scaler.scale(loss_fn(net(batch), batch)).backward()
+            if step == 1:
+                grad = net.embed.weight.grad
+                if net is reference:
+                    grad.view(-1)[0] = float("inf")
+                elif rank == 0:  # the first element of the flat weight: rank 0's shard
+                    grad.to_local().view(-1)[0] = float("inf")
+            before = [p.detach().clone() for p in net.parameters()]
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            moved = [
+                not torch.equal(a, p.detach())
+                for a, p in zip(before, net.parameters(), strict=True)
+            ]
+            assert any(moved) == (step != 1), (step, rank, moved)
+        scales = [scaler.get_scale() for *_, scaler in runs]
+        assert scales[0] == scales[1] and (step != 1 or scales[0] < 2.0**16), (step, scales)
+    for (name, got), expected in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got.full_tensor(), expected.detach(), msg=name)
+
+
 def check_tied_across_sibling_groups_is_refused() -> None:
     """An embedding tied to the output head, each sharded on its own: refused, named."""
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))

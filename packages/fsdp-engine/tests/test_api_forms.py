@@ -1,4 +1,4 @@
-"""FSDP2's argument forms: Shard(d), ShardPlacementResult, dp_mesh_dims, int reshard."""
+"""FSDP2's argument forms: Shard(d), ShardPlacementResult, dp_mesh_dims, int reshard, mp casts."""
 
 import api_forms_cases as cases
 import pytest
@@ -35,3 +35,16 @@ def test_reshard_after_forward_int(pools, world, parts) -> None:
 def test_spmd_types_parameters(pools, world) -> None:
     pytest.importorskip("spmd_types", reason="spmd_types comes with torchtitan (newest torch)")
     pools[world].run(cases.check_spmd_types_parameters)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_mixed_precision_casts_as_fsdp2(pools, world) -> None:
+    pools[world].run(cases.check_mixed_precision_casts)
+
+
+@pytest.mark.skipif(
+    "param_dtype_override_fn" not in torch_fsdp.MixedPrecisionPolicy.__dataclass_fields__,
+    reason="param_dtype_override_fn came with torch 2.15",
+)
+def test_param_dtype_override_is_refused(pools) -> None:
+    pools[1].run(cases.check_param_dtype_override_is_refused)

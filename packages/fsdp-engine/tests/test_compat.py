@@ -136,26 +136,32 @@ def test_ours_is_torchs_fsdp_module_and_overrides_every_method() -> None:
     assert len(public) >= 18  # 18 on torch 2.10, 26 on 2.15
 
 
-def test_fully_shard_state_reaches_ours_where_pipelining_reads_it() -> None:
-    # torch 2.10-2.14's pipeline stages call `fully_shard.state(stage)` and run what it holds;
-    # 2.15's call finalize_backward instead, and nothing is registered.
+def test_fully_shard_state_reaches_ours_where_pipelining_reads_it(monkeypatch) -> None:
+    # torch's pipeline stages call `fully_shard.state(stage)` and run what it holds; they bind
+    # `fully_shard` at import, so it must work through torch's function and through ours
+    # (a user who rebinds `torch.distributed.fsdp.fully_shard` before importing pipelining).
+    import torch.distributed.fsdp
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
+    import fsdp_engine
+
+    monkeypatch.setattr(torch.distributed.fsdp, "fully_shard", fsdp_engine.fully_shard)
     calls: list[str] = []
     module = torch.nn.Linear(2, 2)
     _compat.set_fully_shard_state(
         module, lambda: [lambda: calls.append("post"), None], lambda: calls.append("final")
     )
-    view = torch_fully_shard.state(module)  # type: ignore[attr-defined]
-    if not _compat.PIPELINE_USES_STATE:
-        assert view is None and hasattr(_compat.TorchFSDPModule, "finalize_backward")
-        return
-    for state in view._state_ctx.all_states:  # what torch 2.11-2.14's stage does
-        for group in state._fsdp_param_groups:
-            group.post_backward()
-    assert [s._fsdp_param_group is not None for s in view._state_ctx.all_states] == [True, False]
-    view._root_post_backward_final_callback()
-    assert calls == ["post", "final"], calls
+    for lookup in (torch_fully_shard, fsdp_engine.fully_shard):
+        calls.clear()
+        view = lookup.state(module)  # type: ignore[attr-defined]
+        for state in view._state_ctx.all_states:  # what torch 2.11-2.15's stage does
+            for group in state._fsdp_param_groups:
+                group.post_backward()
+        groups = [s._fsdp_param_group is not None for s in view._state_ctx.all_states]
+        assert groups == [True, False]
+        view._root_post_backward_final_callback()
+        assert calls == ["post", "final"], calls
+    assert fsdp_engine.fully_shard.state(torch.nn.Linear(2, 2)) is None  # type: ignore[attr-defined]
 
 
 def test_a_method_a_later_torch_adds_raises_naming_itself(monkeypatch) -> None:

@@ -36,3 +36,8 @@ def test_loss_from_an_inner_output(pools, world) -> None:
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_fused_optimizers(pools, world) -> None:
     pools[world].run(cases.check_fused_optimizers)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_grad_scaler_skips_a_step_any_rank_overflowed(pools, world) -> None:
+    pools[world].run(cases.check_grad_scaler)

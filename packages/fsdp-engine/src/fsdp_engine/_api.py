@@ -16,7 +16,12 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor, Shard
 
 from dbuffer import DBuffer
-from fsdp_engine._compat import parameter_slots, placement_result, set_fully_shard_state
+from fsdp_engine._compat import (
+    fully_shard_state,
+    parameter_slots,
+    placement_result,
+    set_fully_shard_state,
+)
 from fsdp_engine._config import GroupConfig
 from fsdp_engine._group import (
     Location,
@@ -148,6 +153,13 @@ def fully_shard(
     reshard: bool | int | None = _check_reshard_after_forward(reshard_after_forward)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {mp_policy!r}")
+    if getattr(mp_policy, "param_dtype_override_fn", None) is not None:  # torch 2.15+
+        raise NotImplementedError(
+            "fsdp_engine does not support MixedPrecisionPolicy.param_dtype_override_fn (one "
+            "parameter kept in its own dtype inside a group): a group gathers one buffer per "
+            "dtype in param_dtype; shard such parameters in a group of their own, with its own "
+            "mp_policy"
+        )
     if isinstance(offload_policy, CPUOffloadPolicy):
         raise NotImplementedError(
             "fsdp_engine does not support CPUOffloadPolicy: parameters are views of a "
@@ -176,6 +188,12 @@ def fully_shard(
             sub._is_fsdp_managed_module = True  # type: ignore[assignment]
             sub._fsdp_use_orig_params = True  # type: ignore[assignment]
     return module
+
+
+# torch's `fully_shard.state(module)`, which torch's pipeline stages call on every FSDPModule:
+# a module bound to `fully_shard` before a user rebinds torch's name to ours (pipelining binds
+# it at import) must still find it.
+fully_shard.state = fully_shard_state  # type: ignore[attr-defined]
 
 
 # -- argument checks ---------------------------------------------------------------------------

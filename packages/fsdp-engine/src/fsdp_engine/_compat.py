@@ -28,10 +28,11 @@
   registered on each parameter (torch keeps them in `_post_accumulate_grad_hooks`); autograd
   runs them on the gathered parameter's gradient, which is not the sharded one, so the engine
   runs them once the sharded `.grad` is handed out, as FSDP2 does.
-- `set_fully_shard_state(module, view)`: what `torch.distributed.fsdp.fully_shard.state(module)`
-  returns (the private registry of torch's composable APIs). torch 2.10-2.14's pipeline stages
-  call that on an FSDPModule to run its post-backward at the end of a schedule; 2.15's use
-  `finalize_backward` instead (`PIPELINE_USES_STATE`).
+- `set_fully_shard_state(module, ...)` / `fully_shard_state(module)`: what torch's
+  `fully_shard.state(module)` returns (the private registry of torch's composable APIs), and
+  that lookup by torch's own function, even after a user rebinds
+  `torch.distributed.fsdp.fully_shard` to ours. torch 2.10-2.15.0's pipeline stages call it
+  on an FSDPModule to run its post-backward at the end of a schedule.
 - `placement_result(value)`: reads torch's `ShardPlacementResult` (torch 2.13+, a private
   dataclass of `_fully_shard._fsdp_common` that `shard_placement_fn` may return to put one
   parameter on its own mesh: experts beside expert parallelism) into (placement, mesh,
@@ -62,12 +63,12 @@ from torch.utils import _pytree as pytree
 from ragged_placement import check_torch_version
 
 __all__ = [
-    "PIPELINE_USES_STATE",
     "ApplyOverride",
     "TorchFSDPModule",
     "TorchGradientReductionHandle",
     "TorchUnshardHandle",
     "flatten_axes",
+    "fully_shard_state",
     "in_backward",
     "map_tensors",
     "parameter_slots",
@@ -85,9 +86,6 @@ if TYPE_CHECKING:  # type-checked against a torch that may predate it
     TorchGradientReductionHandle = object
 else:
     TorchGradientReductionHandle = getattr(torch_fsdp, "GradientReductionHandle", object)
-# torch 2.15 added finalize_backward, and its pipeline stages call it instead of reaching into
-# `fully_shard.state(module)`.
-PIPELINE_USES_STATE = not hasattr(TorchFSDPModule, "finalize_backward")
 
 
 def _private_fsdp_common() -> Any:
@@ -243,6 +241,14 @@ class _KeyProbe(dict[Any, Any]):
         return default
 
 
+def _torch_fully_shard() -> Any:
+    # From its defining module: a user may have rebound `torch.distributed.fsdp.fully_shard`
+    # to ours (the drop-in swap), and the registry belongs to torch's function.
+    from torch.distributed.fsdp._fully_shard._fully_shard import fully_shard
+
+    return fully_shard
+
+
 @functools.cache
 def _fully_shard_state_key() -> Any:
     from torch.distributed._composable.contract import STATE_KEY
@@ -250,8 +256,13 @@ def _fully_shard_state_key() -> Any:
     module = nn.Module()
     probe = _KeyProbe()
     module.__dict__[STATE_KEY] = probe
-    torch_fsdp.fully_shard.state(module)  # type: ignore[attr-defined]
+    _torch_fully_shard().state(module)
     return STATE_KEY, probe.key
+
+
+def fully_shard_state(module: nn.Module) -> Any:
+    """`torch.distributed.fsdp.fully_shard.state(module)`, looked up by torch's own function."""
+    return _torch_fully_shard().state(module)
 
 
 class _GroupView:
@@ -268,7 +279,7 @@ class _GroupView:
 
 
 class _StateView:
-    """`fully_shard.state(root)` as torch 2.10-2.14's pipeline stages use it."""
+    """`fully_shard.state(root)` as torch 2.10-2.15.0's pipeline stages use it."""
 
     def __init__(
         self,
@@ -289,7 +300,7 @@ def set_fully_shard_state(
     post_backwards: Callable[[], list[Callable[[], None] | None]],
     final_callback: Callable[[], None],
 ) -> None:
-    """Makes `torch.distributed.fsdp.fully_shard.state(module)` drive ours (torch < 2.15).
+    """Makes `torch.distributed.fsdp.fully_shard.state(module)` drive ours.
 
     Args:
         module: A module fully_shard applied to.
@@ -298,8 +309,6 @@ def set_fully_shard_state(
         final_callback: What runs at the end of backward (wait for the reduces, hand out
             the gradients, reset the iteration).
     """
-    if not PIPELINE_USES_STATE:
-        return
     state_key, key = _fully_shard_state_key()
     module.__dict__.setdefault(state_key, {})[key] = _StateView(post_backwards, final_callback)
 
