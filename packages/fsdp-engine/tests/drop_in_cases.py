@@ -38,6 +38,15 @@ def _shard(model: Decoder, mesh: object) -> None:
     fully_shard(model, mesh=mesh)
 
 
+def _reference_and_sharded(mesh: object) -> tuple[Decoder, Decoder]:
+    """A seeded decoder for one process, and its copy sharded per layer and at the root."""
+    torch.manual_seed(0)
+    reference = Decoder(Config())
+    model = copy.deepcopy(reference)
+    _shard(model, mesh)
+    return reference, model
+
+
 def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -250,11 +259,7 @@ def check_chunked_loss_list_group() -> None:
 def check_loss_from_an_inner_output() -> None:
     """A loss on a block's output caught by a hook (the root's output unused): as one process."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    mesh = init_device_mesh("cpu", (world,))
-    torch.manual_seed(0)
-    reference = Decoder(Config())
-    model = copy.deepcopy(reference)
-    _shard(model, mesh)
+    reference, model = _reference_and_sharded(init_device_mesh("cpu", (world,)))
     caught: dict[nn.Module, torch.Tensor] = {}
 
     def catch(block: nn.Module, _inputs: object, output: torch.Tensor) -> None:
@@ -324,11 +329,7 @@ def check_grad_scaler() -> None:
     and the scale backs off the same everywhere.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
-    mesh = init_device_mesh("cpu", (world,))
-    torch.manual_seed(0)
-    reference = Decoder(Config())
-    model = copy.deepcopy(reference)
-    _shard(model, mesh)
+    reference, model = _reference_and_sharded(init_device_mesh("cpu", (world,)))
     runs = []
     for net in (model, reference):
         runs.append((net, torch.optim.SGD(net.parameters(), lr=0.1), torch.amp.GradScaler("cpu")))

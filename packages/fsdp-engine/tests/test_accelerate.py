@@ -63,9 +63,10 @@ def test_trains_equal_to_accelerate_with_fsdp2(world) -> None:
 def test_bf16_mixed_precision_trains_as_fsdp2() -> None:
     args = ("--steps", str(STEPS), "--mixed-precision", "bf16")
     fsdp2, ours = _run("fsdp2", *args), _run("ours", *args)
-    # bf16 gathers and reductions in a different order: bf16-level differences.
+    # bf16 gathers and reductions in a different order: bf16-level differences. The losses
+    # are bf16 values (a step of 2**-7 relative near 4): allow two steps.
     _assert_close(ours["grad_norms"], fsdp2["grad_norms"], 1e-3)
-    _assert_close(ours["losses"], fsdp2["losses"], 1e-2)
+    _assert_close(ours["losses"], fsdp2["losses"], 2 * 2**-7)
 
 
 def test_cpu_ram_efficient_loading_takes_rank_0s_weights() -> None:
