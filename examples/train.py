@@ -122,15 +122,21 @@ def build(args: argparse.Namespace, vocab: int, device: torch.device) -> nn.Modu
 
 
 def make_optimizer(name: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
-    """AdamW, AdamW8bit, or Muon on the blocks' matrices with AdamW on everything else.
+    """AdamW (torch's, or ours over flat runs), AdamW8bit, or Muon with AdamW on the rest.
 
-    Embeddings, the output head and norms are not hidden matrices (Muon's update suits only
-    those), so they go to Muon's AdamW groups; "match_rms_adamw" scales Muon's update to
-    AdamW's RMS, so one learning rate serves both.
+    "flat-adamw" is torch's AdamW arithmetic (the same results) stepping each run of adjacent
+    parameter pieces as one tensor: on our engine a few per group, so the step's host work
+    does not grow with the number of parameters. For Muon, embeddings, the output head and
+    norms are not hidden matrices (Muon's update suits only those), so they go to Muon's AdamW
+    groups; "match_rms_adamw" scales Muon's update to AdamW's RMS, so one learning rate serves
+    both.
     """
     if name == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
-    from ragged_optimizers import AdamW8bit, Muon
+        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, foreach=True)
+    from ragged_optimizers import AdamW, AdamW8bit, Muon
+
+    if name == "flat-adamw":
+        return AdamW(model.parameters(), lr=lr, weight_decay=0.1)
 
     if name == "adamw8bit":
         return AdamW8bit(model.named_parameters(), lr=lr, weight_decay=0.1)
@@ -462,9 +468,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--engine", choices=["ours", "fsdp2"], default="ours")
     parser.add_argument(
         "--optimizer",
-        choices=["adamw", "muon", "adamw8bit"],
-        default="adamw",
-        help="muon: Muon on the blocks' matrices, AdamW on the rest; adamw8bit: 8-bit moments",
+        choices=["flat-adamw", "adamw", "muon", "adamw8bit"],
+        default=None,
+        help="flat-adamw (default with --engine ours): ragged_optimizers.AdamW, torch's AdamW "
+        "stepping each run of adjacent shards as one tensor; adamw (default with fsdp2): "
+        "torch.optim.AdamW (foreach); muon: Muon on the blocks' matrices, AdamW on the rest; "
+        "adamw8bit: 8-bit moments",
     )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--nproc", type=int, default=0, help="start this many local ranks")
@@ -490,6 +499,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sample-chars", type=int, default=300)
     args = parser.parse_args(argv)
+    if args.optimizer is None:  # the same arithmetic either way: each engine's fast one
+        args.optimizer = "flat-adamw" if args.engine == "ours" else "adamw"
     args.pp_mesh = None  # set by build() with --pp
     return args
 

@@ -1,12 +1,17 @@
-"""`clip_grad_norm_` for parameters on more than one mesh (data parallel beside tensor parallel).
+"""`clip_grad_norm_` over gradients on any meshes, one norm per run of adjacent gradients.
 
-torch's `clip_grad_norm_` stacks every gradient's norm into one tensor, which DTensor refuses
-when the gradients live on different meshes: with tensor parallelism the blocks' weights are
-DTensors over (dp, tp) while the norms or an untouched embedding are over dp alone (FSDP2 has
-the same limit). Here the norm of each mesh's gradients is reduced to a plain tensor first
-(`full_tensor()` of the partial norm: one all-reduce per mesh axis), then the per-mesh norms
-are combined, and every gradient is scaled by the one clip coefficient. Under pipeline
-parallelism each stage holds part of the model: `pp_mesh` combines the stages' norms too.
+torch's `clip_grad_norm_` takes one norm per gradient (a foreach kernel over N entries, and
+for DTensors a partial norm each) and stacks them into one tensor, which DTensor refuses when
+the gradients live on different meshes: with tensor parallelism the blocks' weights are
+DTensors over (dp, tp) while the norms or an untouched embedding are over dp alone (FSDP2
+has the same limit). Here the gradients are grouped by mesh and by which of its axes shard
+them; in each group, gradients whose local pieces are adjacent in one storage (on
+`fully_shard` a group's gradients are views of one flat shard) are one flat tensor
+(`ragged_placement.flat_runs`), so a group of any size takes a norm per run. Each group's
+local norm is reduced over the axes that shard it (one all-reduce per axis), the groups'
+norms are combined, and every run is scaled by the one clip coefficient, as torch scales each
+gradient. Under pipeline parallelism each stage holds part of the model: `pp_mesh` combines
+the stages' norms too.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+
+from fsdp_engine._compat import norm_keys
+from ragged_placement import flat_runs
 
 
 def clip_grad_norm_(
@@ -35,7 +42,8 @@ def clip_grad_norm_(
         max_norm: The largest total norm allowed.
         norm_type: The p of the p-norm (`inf` for the largest absolute value).
         error_if_nonfinite: Raise if the total norm is nan or inf.
-        foreach: Use torch's foreach kernels (None: where the device supports them).
+        foreach: Accepted for torch's signature; the norms and the scaling always run as
+            foreach kernels over the flat runs (a few tensors, whatever the model).
         pp_mesh: The pipeline-parallel mesh axis when each rank holds one stage's parameters:
             the total norm is then over every stage's gradients (one all-reduce).
 
@@ -58,40 +66,100 @@ def clip_grad_norm_(
     mesh: object = pp_mesh  # callers may pass anything; check before use
     if mesh is not None and (not isinstance(mesh, DeviceMesh) or mesh.ndim != 1):
         raise ValueError(f"pp_mesh must be a 1-D DeviceMesh or None, got {pp_mesh!r}")
-    with_grad = [p for p in params if p.grad is not None]
-    if not with_grad and pp_mesh is None:
+    found = [param.grad for param in params]
+    grads: list[torch.Tensor] = [g for g in found if g is not None]
+    if not grads and pp_mesh is None:
         return torch.tensor(0.0)
-    by_mesh: dict[object, list[torch.Tensor]] = {}  # parameters by their gradient's mesh
-    for param in with_grad:
-        grad = param.grad
-        key = grad.device_mesh if isinstance(grad, DTensor) else grad.device  # type: ignore[union-attr]
-        by_mesh.setdefault(key, []).append(param)
-    norms = []
-    for group in by_mesh.values():
-        grads = [p.grad for p in group]
-        norm = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)  # type: ignore[arg-type]
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    p = float(norm_type)
+    flats_by_group = _flat_groups(grads)
+    norms = [
+        _reduced_norm(_local_norm(flats, p), p, axes) for (_, axes), flats in flats_by_group.items()
+    ]
     device = norms[0].device if norms else torch.device(pp_mesh.device_type)  # type: ignore[union-attr]
-    total = torch.nn.utils.get_total_norm(
-        [n.to(device) for n in norms] or [torch.zeros((), device=device)],
-        norm_type,
-        error_if_nonfinite,
-        foreach,
-    )
+    total = _combined([n.to(device) for n in norms], p, device)
     if pp_mesh is not None:
-        total = _across_stages(total, float(norm_type), pp_mesh)
-    for group in by_mesh.values():
-        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach)
+        total = _reduce(total, p, [pp_mesh.get_group()])
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is "
+            f"non-finite, so it cannot be clipped. To disable this error and scale the "
+            f"gradients by the non-finite norm anyway, set `error_if_nonfinite=False`"
+        )
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for flats in flats_by_group.values():
+        for flat in flats:
+            by_device.setdefault(flat.device, []).append(flat)
+    for flat_device, flats in by_device.items():
+        torch._foreach_mul_(flats, coef.to(flat_device))
     return total
 
 
-def _across_stages(norm: torch.Tensor, norm_type: float, pp_mesh: DeviceMesh) -> torch.Tensor:
-    """The p-norm over every stage, from each stage's p-norm."""
-    group = pp_mesh.get_group()
-    if math.isinf(norm_type):
+_Groups = dict[tuple[torch.device, tuple[dist.ProcessGroup, ...]], list[torch.Tensor]]
+
+
+def _flat_groups(grads: list[torch.Tensor]) -> _Groups:
+    """The gradients' local pieces as flat runs, by device and the groups that shard them.
+
+    The process groups are those of the mesh axes that shard a gradient (none for a plain
+    tensor or a replicated axis): its local norm is reduced over them. The entries come in
+    the parameters' order, the same on every rank, so that their collectives pair up.
+    """
+    keys = norm_keys(grads)
+    first: dict[int, int] = {}  # by norm key: its first gradient
+    for i, key in enumerate(keys):
+        first.setdefault(id(key), i)
+    reduced_by: dict[int, tuple[torch.device, tuple[dist.ProcessGroup, ...]]] = {}
+    groups: _Groups = {}
+    for key_id, i in first.items():
+        where, axes = keys[i]
+        over: tuple[dist.ProcessGroup, ...] = ()
+        if isinstance(where, DeviceMesh):
+            over = tuple(where.get_group(axis) for axis in axes)
+        reduced_by[key_id] = (grads[i].device, over)
+        groups.setdefault(reduced_by[key_id], [])
+    # Runs of adjacent pieces within stretches of one norm key. In the parameters' order:
+    # `fully_shard` lays a group's parameters out in that order, and a run that order cuts
+    # is still right, only one more norm.
+    lo = 0
+    for hi in range(1, len(grads) + 1):
+        if hi == len(grads) or keys[hi] is not keys[lo]:
+            flats = groups[reduced_by[id(keys[lo])]]
+            flats.extend(run.flat for run in flat_runs(grads[lo:hi]))
+            lo = hi
+    return groups
+
+
+def _local_norm(flats: list[torch.Tensor], p: float) -> torch.Tensor:
+    """The p-norm of this rank's pieces (0-d, in the gradients' dtype)."""
+    return _combined(list(torch._foreach_norm(flats, p)), p, flats[0].device)
+
+
+def _reduced_norm(
+    norm: torch.Tensor, p: float, groups: tuple[dist.ProcessGroup, ...]
+) -> torch.Tensor:
+    return _reduce(norm, p, list(groups)) if groups else norm
+
+
+def _combined(norms: list[torch.Tensor], p: float, device: torch.device) -> torch.Tensor:
+    """The p-norm of several p-norms (of disjoint sets of elements)."""
+    if not norms:
+        return torch.zeros((), device=device)
+    stacked = torch.stack(norms)
+    total: torch.Tensor = stacked.sum() if p == 0 else torch.linalg.vector_norm(stacked, p)
+    return total  # (a 0-norm counts non-zeros: counts add)
+
+
+def _reduce(norm: torch.Tensor, p: float, groups: list[dist.ProcessGroup]) -> torch.Tensor:
+    """The p-norm over every rank of `groups` (each in turn), from each rank's p-norm."""
+    if math.isinf(p):
         norm = norm.clone()
-        dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
+        for group in groups:
+            op = dist.ReduceOp.MAX if p > 0 else dist.ReduceOp.MIN
+            dist.all_reduce(norm, op=op, group=group)
         return norm
-    powered = norm.double() ** norm_type
-    dist.all_reduce(powered, group=group)
-    return (powered ** (1.0 / norm_type)).to(norm.dtype)
+    powered = norm.double() if p == 0 else norm.double() ** p
+    for group in groups:
+        dist.all_reduce(powered, group=group)
+    total: torch.Tensor = (powered if p == 0 else powered ** (1.0 / p)).to(norm.dtype)
+    return total

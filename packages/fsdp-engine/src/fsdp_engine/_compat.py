@@ -38,6 +38,9 @@
   parameter on its own mesh: experts beside expert parallelism) into (placement, mesh,
   shard axis, replicate axis, and its full SPMD mesh and `DataParallelMeshDims` where
   torch 2.15 made it from those); None for anything else.
+- `norm_keys(tensors)`: reads each DTensor's `_spec` (mesh and placements) directly: the
+  public `device_mesh` / `placements` are Python properties, and `clip_grad_norm_` asks
+  every gradient every step.
 - `flatten_axes(mesh, names)`: `DeviceMesh._flatten`, the one way to make one axis of several
   named ones (`DataParallelMeshDims(shard=("dp_shard", "cp"))`).
 Tested on the torch versions `ragged_placement.SUPPORTED_TORCH` names; others are refused at
@@ -49,7 +52,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -57,6 +60,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed.fsdp as torch_fsdp
 from torch import nn
+from torch.distributed.tensor.placement_types import Replicate
 from torch.profiler import record_function
 from torch.utils import _pytree as pytree
 
@@ -314,3 +318,27 @@ def set_fully_shard_state(
 
 
 check_torch_version("fsdp_engine")
+
+
+def norm_keys(tensors: Sequence[torch.Tensor]) -> list[tuple[object, tuple[int, ...]]]:
+    """Per tensor: (its mesh, the mesh axes that shard it) for a DTensor, (device, ()) else.
+
+    Equal keys are the same object (for one mesh object and one set of placement kinds), so
+    keys compare and group by identity, without Python code per tensor.
+
+    Example:
+        >>> norm_keys([torch.zeros(2)])
+        [(device(type='cpu'), ())]
+    """
+    interned: dict[tuple[int, tuple[type, ...]], tuple[object, tuple[int, ...]]] = {}
+    keys: list[tuple[object, tuple[int, ...]]] = []
+    for tensor in tensors:
+        spec = getattr(tensor, "_spec", None)
+        where = tensor.device if spec is None else spec.mesh
+        kinds = () if spec is None else tuple(map(type, spec.placements))
+        key = interned.get((id(where), kinds))
+        if key is None:
+            axes = tuple(i for i, kind in enumerate(kinds) if not issubclass(kind, Replicate))
+            key = interned[(id(where), kinds)] = (where, axes)
+        keys.append(key)
+    return keys

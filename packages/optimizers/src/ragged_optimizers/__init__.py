@@ -14,6 +14,7 @@ Example:
 """
 
 from ragged_optimizers._adamw8bit import AdamW8bit
+from ragged_optimizers._flat_adamw import AdamW
 from ragged_optimizers._muon import Muon, matrix_shape
 from ragged_optimizers._newton_schulz import newton_schulz, resolve_coefficients
 from ragged_optimizers._owner_plan import MatrixAssignment, makespan, ns_flops, plan_owners
@@ -22,6 +23,7 @@ from ragged_optimizers._quantize import dequantize, dynamic_map, quantize
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdamW",
     "AdamW8bit",
     "MatrixAssignment",
     "Muon",

@@ -21,6 +21,7 @@ Example (`mesh`: a 1-D DeviceMesh of one rank; `weight`: an 8 x 4 tensor):
 from ragged_placement._comm_counter import Collective, CommCounter
 from ragged_placement._compat import SUPPORTED_TORCH, check_torch_version
 from ragged_placement._compat import install as _install
+from ragged_placement._flat_runs import FlatRun, flat_runs, local_pieces, storage_order
 from ragged_placement._integration import RaggedHooks as _RaggedHooks
 from ragged_placement._placement import (
     RaggedShard,
@@ -36,6 +37,7 @@ __all__ = [
     "SUPPORTED_TORCH",
     "Collective",
     "CommCounter",
+    "FlatRun",
     "RaggedShard",
     "StridedRaggedShard",
     "__version__",
@@ -43,7 +45,10 @@ __all__ = [
     "chunk_range",
     "cut_dims_for",
     "flat_range",
+    "flat_runs",
+    "local_pieces",
     "local_view",
+    "storage_order",
     "with_local",
     "with_locals",
 ]

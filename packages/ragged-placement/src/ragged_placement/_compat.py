@@ -45,6 +45,7 @@ import atexit
 import functools
 import inspect
 import math
+import operator
 import os
 import time
 import types
@@ -87,6 +88,7 @@ __all__ = [
     "install",
     "local_of",
     "locals_and_specs_of",
+    "locals_of",
     "make_dtensor",
     "make_dtensors",
     "norm_partial",
@@ -147,6 +149,23 @@ def local_of(dt: DTensor) -> torch.Tensor:
     """A DTensor's local tensor, without `to_local()`'s autograd node."""
     local: torch.Tensor = dt._local_tensor
     return local
+
+
+def locals_of(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's local piece (a DTensor's local tensor, a plain tensor itself).
+
+    No Python call per tensor when the list is all DTensors or all plain tensors: a list
+    as long as a model's parameters is walked in C.
+    """
+    kinds = set(map(type, tensors))
+    if not any(issubclass(kind, DTensor) for kind in kinds):
+        return list(tensors)
+    if all(issubclass(kind, DTensor) for kind in kinds):
+        return list(map(_LOCAL_TENSOR, tensors))
+    return [t._local_tensor if isinstance(t, DTensor) else t for t in tensors]
+
+
+_LOCAL_TENSOR = operator.attrgetter("_local_tensor")
 
 
 def locals_and_specs_of(dts: Sequence[DTensor]) -> tuple[list[torch.Tensor], list[DTensorSpec]]:
