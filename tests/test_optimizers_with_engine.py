@@ -24,3 +24,16 @@ def test_flat_adamw_equals_torch_adamw_on_the_engine(pools, world) -> None:
             f"W={world} {kind} {precision}: {result['params']} parameters in {result['runs']} "
             f"runs, max loss gap to one process {gap:.1e}"
         )
+
+
+@pytest.mark.parametrize(("saver", "loaders"), [("ours", ("ours", "fsdp2")), ("fsdp2", ("ours",))])
+def test_flat_adamw_checkpoint_loads_at_another_world_size_and_engine(
+    pools, tmp_path, saver, loaders
+) -> None:
+    """Saved at 4 ranks, loaded at 3: ours into ours and into FSDP2 + torch's AdamW, and
+    FSDP2's into ours; training goes on as in one process."""
+    pools[4].run(cases.check_adamw_checkpoint, str(tmp_path), saver, "save")
+    for loader in loaders:
+        result = pools[3].run(cases.check_adamw_checkpoint, str(tmp_path), loader, "load")[0]
+        gap = max(abs(a - b) for a, b in zip(result["losses"], result["one_process"], strict=True))
+        print(f"saved by {saver} at W=4, loaded by {loader} at W=3: loss gap {gap:.1e}")

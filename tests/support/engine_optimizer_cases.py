@@ -112,12 +112,12 @@ def _sharded(model: torch.nn.Module, precision: str) -> torch.nn.Module:
     return fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
-def _route_around_last_expert(model: torch.nn.Module, tokens: int, first_token: int) -> None:
-    """Every token to experts 0-2 (top 2) by its index in the whole batch: the last expert
-    gets no gradient on any rank, and each token goes where it goes in one process."""
+def _route(model: torch.nn.Module, tokens: int, first_token: int, num_experts: int = 3) -> None:
+    """Every token to two of the first `num_experts` experts by its index in the whole batch
+    (with 3 of 4 the last gets no gradient on any rank), where it goes in one process."""
     for layer in model.layers:  # type: ignore[union-attr]
-        first = (torch.arange(tokens) + first_token) % 3
-        layer.mlp.forced_choice = torch.stack([first, (first + 1) % 3], 1)
+        first = (torch.arange(tokens) + first_token) % num_experts
+        layer.mlp.forced_choice = torch.stack([first, (first + 1) % num_experts], 1)
 
 
 def check_flat_adamw_on_engine(kind: str, precision: str) -> dict[str, Any]:
@@ -151,7 +151,7 @@ def check_flat_adamw_on_engine(kind: str, precision: str) -> dict[str, Any]:
         for model, optimizer, rows in runs:
             if kind == "moe":
                 first_token = 0 if rows is batch else rank * mine.numel()
-                _route_around_last_expert(model, rows.numel(), first_token)
+                _route(model, rows.numel(), first_token)
             loss = loss_fn(model(rows), rows)
             loss.backward()
             optimizer.step()
@@ -186,3 +186,98 @@ def check_flat_adamw_on_engine(kind: str, precision: str) -> dict[str, Any]:
         for (name, p), q in zip(named.items(), base.parameters(), strict=True):
             torch.testing.assert_close(_full(p.detach()), q.detach(), atol=2e-4, rtol=0, msg=name)
     return {"losses": losses, "one_process": one_losses, "runs": num_runs, "params": len(named)}
+
+
+def _engine_model(engine: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The MoE decoder sharded by `engine` ("ours": fully_shard and ragged_optimizers.AdamW;
+    "fsdp2": torch's fully_shard and torch.optim.AdamW), fp32."""
+    from ragged_optimizers import AdamW
+
+    torch.manual_seed(0)
+    model = Decoder(MOE)
+    if engine == "ours":
+        _sharded(model, "fp32")
+        return model, AdamW(_flat_adamw_groups(model), lr=1e-2, amsgrad=True)
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.layers:
+        torch_fully_shard(layer, mesh=mesh)
+    torch_fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(_flat_adamw_groups(model), lr=1e-2, amsgrad=True, foreach=True)
+
+
+def _batch(step: int) -> torch.Tensor:
+    """The whole batch of a step: 12 rows, which 3 and 4 ranks both split evenly."""
+    return torch.randint(0, MOE.vocab, (12, SEQ), generator=torch.Generator().manual_seed(step))
+
+
+def _train_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range) -> list[float]:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    losses = []
+    for step in steps:
+        batch = _batch(step)
+        rows = len(batch) // world
+        mine = batch[rank * rows : (rank + 1) * rows]
+        _route(model, mine.numel(), rank * mine.numel(), num_experts=4)
+        loss = loss_fn(model(mine), mine)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        value = loss.detach().clone()
+        dist.all_reduce(value)
+        losses.append(value.item() / world)
+    return losses
+
+
+def _one_process_run() -> tuple[list[float], torch.nn.Module, torch.optim.Optimizer]:
+    """5 steps of the same training in one process, torch's AdamW on the whole batch."""
+    torch.manual_seed(0)
+    model = Decoder(MOE)
+    opt = torch.optim.AdamW(_flat_adamw_groups(model), lr=1e-2, amsgrad=True, foreach=True)
+    losses = []
+    for step in range(5):
+        batch = _batch(step)
+        _route(model, batch.numel(), 0, num_experts=4)
+        loss = loss_fn(model(batch), batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, model, opt
+
+
+def check_adamw_checkpoint(directory: str, engine: str, phase: str) -> dict[str, Any]:
+    """DCP across engines and world sizes: `save` trains steps 0-2 and saves model and
+    optimizer; `load` builds `engine` at this world size, loads, checks the optimizer state
+    against one process after 3 steps, trains steps 3-4, and checks against one process."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, opt = _engine_model(engine)
+    if phase == "save":
+        _train_steps(model, opt, range(3))
+        model_state, optim_state = get_state_dict(model, opt)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=directory)
+        dist.barrier()
+        return {}
+    model_state, optim_state = get_state_dict(model, opt)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=directory)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    one_losses, one_model, one_opt = _one_process_run()
+    # Every expert gets tokens here: DCP's loader makes state for every parameter (a dry
+    # step) and then wants it in the checkpoint, for torch's AdamW as for this one.
+    steps = {int(opt.state[p]["step"]) for p in model.parameters()}
+    assert steps == {3}, steps
+    losses = _train_steps(model, opt, range(3, 5))
+    torch.testing.assert_close(
+        torch.tensor(losses), torch.tensor(one_losses[3:]), atol=2e-4, rtol=0
+    )
+    for (name, p), q in zip(model.named_parameters(), one_model.parameters(), strict=True):
+        torch.testing.assert_close(_full(p.detach()), q.detach(), atol=2e-4, rtol=0, msg=name)
+        for key, value in one_opt.state[q].items():
+            got = opt.state[p][key]
+            got = _full(got) if isinstance(got, DTensor) else got
+            torch.testing.assert_close(got, value, atol=2e-4, rtol=1e-3, msg=f"{name} {key}")
+    return {"losses": losses, "one_process": one_losses[3:]}

@@ -17,6 +17,7 @@ torch's into this.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -31,6 +32,12 @@ from ragged_placement import local_pieces
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 _MAX = "max_exp_avg_sq"
+
+
+@functools.cache
+def _torch_adamw_defaults() -> dict[str, Any]:
+    """torch.optim.AdamW's param group defaults on this torch."""
+    return dict(torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).defaults)
 
 
 class AdamW(Optimizer):
@@ -101,6 +108,10 @@ class AdamW(Optimizer):
             "capturable": False,
             "differentiable": False,
         }
+        # Every key torch's AdamW puts in a param group on this torch (2.15:
+        # `decoupled_weight_decay`): torch.distributed.checkpoint loads a group only from a
+        # checkpoint that has all of the loader's keys, so the two load each other's.
+        defaults = {**_torch_adamw_defaults(), **defaults}
         self._runs: dict[int, GroupRuns] = {}  # by id of the param group
         self._names: dict[int, str] = {}  # by id of the parameter, for errors
         super().__init__(params, defaults)
