@@ -65,11 +65,13 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, profile: Any = Non
 
 def check_calls_do_not_grow_with_parameters() -> None:
     """Forward + backward run the same Python calls in our packages at 8 and 32 experts per
-    block (3 parameters each): the engine's host work follows the groups, not the
-    parameters."""
-    counts = {}
+    block (3 parameters each), and our code makes one more call per added parameter (builtins
+    counted too): the constructor of its reduced-gradient DTensor, which FSDP2 calls per
+    parameter as well. The engine's host work follows the groups, not the parameters."""
+    counts, made, num_params = {}, {}, {}
     for num_experts in (8, 32):
         model, opt = _model(num_experts)
+        num_params[num_experts] = sum(1 for _ in model.parameters())
         _route(model, num_experts, set(), tokens=32)
         for _ in range(3):
             _step(model, opt)
@@ -79,7 +81,15 @@ def check_calls_do_not_grow_with_parameters() -> None:
         counts[num_experts] = sum(
             count for (path, _, _), (count, *_) in stats.items() if any(p in path for p in OURS)
         )
+        made[num_experts] = sum(
+            value[0] if isinstance(value, tuple) else value
+            for *_, callers in stats.values()
+            for (path, _, _), value in callers.items()
+            if any(p in path for p in OURS)
+        )
     assert counts[8] == counts[32], counts
+    added = num_params[32] - num_params[8]
+    assert made[32] - made[8] == added, (made, added)
     assert 0 < counts[8] < 2000, counts  # a few hundred per group
 
 

@@ -52,6 +52,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import operator
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from types import SimpleNamespace
@@ -215,13 +216,16 @@ def profiler_range(name: str) -> AbstractContextManager[object]:
 def post_accumulate_grad_hooks(
     params: list[nn.Parameter],
 ) -> list[tuple[nn.Parameter, list[Callable[[nn.Parameter], None]]]]:
-    """Each parameter that has post-accumulate-grad hooks, with its hooks in order."""
-    found = []
-    for param in params:
-        hooks = getattr(param, "_post_accumulate_grad_hooks", None)
-        if hooks:
-            found.append((param, list(hooks.values())))
-    return found
+    """Each parameter that has post-accumulate-grad hooks, with its hooks in order.
+
+    The dicts are read in C (`map`): this runs on every parameter every backward.
+    """
+    hook_dicts = list(map(_POST_ACCUMULATE_HOOKS, params))
+    return [(p, list(hooks.values())) for p, hooks in zip(params, hook_dicts, strict=True) if hooks]
+
+
+# A getset descriptor of every tensor: None until a hook is registered.
+_POST_ACCUMULATE_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
 
 
 def torch_fsdp_methods() -> list[str]:

@@ -352,22 +352,22 @@ class ParamGroup:
         """
         trainable = [p for p in self.params if p.sharded.requires_grad]
         reduced_by_buffer = {buffer: buffer.sharded_grads() for buffer in self.buffers}
-        assigned = []
-        for param, used in zip(trainable, used_anywhere, strict=True):
-            if not used and not unused_too:
-                continue
+        # Comprehensions, not a loop of calls: this runs for every parameter every step.
+        assigned = [
+            p for p, used in zip(trainable, used_anywhere, strict=True) if used or unused_too
+        ]
+        for param in assigned:
             reduced = reduced_by_buffer[param.buffer][param.name]
             current = param.sharded.grad
             if current is None:
                 param.sharded.grad = reduced
             elif current is not reduced:  # a gradient the user set: accumulate into it
                 current.add_(reduced)
-            assigned.append(param.sharded)
         self._received.clear()
         self._pending_reduce = None
         # Hooks registered on the sharded parameters (optimizer in backward) see the sharded
         # gradient, as in FSDP2; autograd ran none, as it only saw the gathered parameters.
-        for sharded, hooks in post_accumulate_grad_hooks(assigned):
+        for sharded, hooks in post_accumulate_grad_hooks([p.sharded for p in assigned]):
             for hook in hooks:
                 hook(sharded)
 
