@@ -2,9 +2,10 @@
 
 For each case (model x world size x dtype) both engines train the same model on the same data
 in one process group, alternating step by step. Per case it prints the slowest rank's median
-step (forward + backward + optimizer) and the ratio ours / FSDP2, the peak bytes of live
-tensors in one step (what was live at its start plus the profiler's memory events, both
-sides alike), the copy kernels each engine
+step (forward + backward + optimizer: `ragged_optimizers.AdamW` for ours, torch's
+`AdamW(foreach=True)` for FSDP2, the same arithmetic) and the ratio ours / FSDP2, the peak
+bytes of live tensors in one step (what was live at its start plus the profiler's memory
+events, both sides alike), the copy kernels each engine
 runs in one step and their bytes, the bytes all-gathered and reduce-scattered per step
 (`CommCounter`), and the padding. Results go to build/bench/engine.json and engine.png.
 """
@@ -67,7 +68,11 @@ def _build(
         # Ranks route tokens to different experts; without this FSDP2's reduce-scatters
         # differ in size across ranks ("collective mismatch"). Ours needs no setting.
         model.set_reduce_scatter_unused_params(True)  # type: ignore[operator]
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if engine == "ours":  # torch's AdamW arithmetic, one tensor per run of adjacent shards
+        from ragged_optimizers import AdamW
+
+        return model, AdamW(model.parameters(), lr=1e-4, foreach=True)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
 
 
 def _padding_bytes(model: torch.nn.Module, engine: str, world: int) -> int:
