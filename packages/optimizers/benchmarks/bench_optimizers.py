@@ -10,7 +10,8 @@ three ways, alternating in one run:
 - "round_robin": the same exchange with owner = matrix index mod W;
 - "redundant": what an FSDP2 user has today: every rank gathers every full matrix (bf16) and
   runs Newton-Schulz on all of them, then keeps its piece.
-AdamW8bit runs against torch.optim.AdamW (foreach) on all parameters. Reported per W: the
+AdamW8bit runs against torch.optim.AdamW (foreach) and ragged_optimizers.AdamW on all
+parameters. Reported per W: the
 slowest rank's median step, FLOPs makespan of the owner plans, bytes each rank sends per step,
 and state bytes. First, in this process: AdamW8bit's step (native, compiled, eager) against foreach
 AdamW on plain matrices, one thread, with the compile time (the first step) apart
@@ -150,7 +151,7 @@ def _rank(rank: int, world: int, init: str, args: argparse.Namespace, out: Any) 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     import ragged_optimizers._muon as muon
-    from ragged_optimizers import AdamW8bit, Muon, makespan
+    from ragged_optimizers import AdamW, AdamW8bit, Muon, makespan
     from ragged_placement import CommCounter
 
     model = _model()
@@ -188,16 +189,20 @@ def _rank(rank: int, world: int, init: str, args: argparse.Namespace, out: Any) 
         for name, step in variants.items():
             times[name] += _timed(step, args.steps)
 
-    # AdamW8bit against torch's foreach AdamW, on every parameter.
-    eight = AdamW8bit(model.parameters(), lr=0.0)
-    fp32 = torch.optim.AdamW(model.parameters(), lr=0.0, foreach=True)
-    eight.step()
-    fp32.step()
-    adam_times: dict[str, list[float]] = {"adamw8bit": [], "adamw_foreach": []}
+    # AdamW8bit against torch's foreach AdamW and ours (one tensor per run of adjacent
+    # shards, the same kernels), on every parameter.
+    adams = {
+        "adamw8bit": AdamW8bit(model.parameters(), lr=0.0),
+        "adamw_foreach": torch.optim.AdamW(model.parameters(), lr=0.0, foreach=True),
+        "adamw_flat": AdamW(model.parameters(), lr=0.0),
+    }
+    for opt in adams.values():
+        opt.step()
+    adam_times: dict[str, list[float]] = {name: [] for name in adams}
     for _ in range(args.rounds):
-        adam_times["adamw8bit"] += _timed(eight.step, args.steps)
-        adam_times["adamw_foreach"] += _timed(fp32.step, args.steps)
-    state = {"adamw8bit": _state_bytes(eight), "adamw_foreach": _state_bytes(fp32)}
+        for name, opt in adams.items():
+            adam_times[name] += _timed(opt.step, args.steps)
+    state = {name: _state_bytes(opt) for name, opt in adams.items()}
     if rank == 0:
         out.put(
             {
@@ -286,8 +291,10 @@ def _alternating_ms(
 def _one_process_adamw(args: argparse.Namespace) -> dict[str, Any]:
     """AdamW8bit (native, compiled and eager) against torch's foreach AdamW: one process, one
     thread, plain matrices (half 1024 x 1024, half 1024 x 2816), fixed gradients, steps
-    alternating."""
-    from ragged_optimizers import AdamW8bit
+    alternating. The "_runs" variants hold the matrices (and their gradients) as views of one
+    storage, as a DBuffer's shard does: ragged_optimizers.AdamW and AdamW8bit then step each
+    run of adjacent matrices (two here: one per width) as one tensor."""
+    from ragged_optimizers import AdamW, AdamW8bit
 
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -305,7 +312,20 @@ def _one_process_adamw(args: argparse.Namespace) -> dict[str, Any]:
             p.grad = g.clone()
         return out
 
+    def shared_params() -> list[torch.nn.Parameter]:
+        storage = torch.cat([b.reshape(-1) for b in base])
+        grad_storage = torch.cat([g.reshape(-1) for g in grads])
+        out, at = [], 0
+        for b in base:
+            param = torch.nn.Parameter(storage[at : at + b.numel()].view(b.shape))
+            param.grad = grad_storage[at : at + b.numel()].view(b.shape)
+            out.append(param)
+            at += b.numel()
+        return out
+
     opts: dict[str, Any] = {}
+    opts["adamw8bit_runs"] = AdamW8bit(shared_params())
+    opts["adamw_runs"] = AdamW(shared_params(), foreach=True)
     if not cuda:
         opts["adamw8bit_native"] = AdamW8bit(params(), fused="native")
     opts["adamw8bit_compiled"] = AdamW8bit(params(), fused="compiled")
@@ -323,7 +343,7 @@ def _one_process_adamw(args: argparse.Namespace) -> dict[str, Any]:
     ms = _alternating_ms({name: opt.step for name, opt in opts.items()}, args.adam_steps, sync)
     baseline = "adamw_fused" if cuda else "adamw_foreach"
     paths = {
-        name: opts[name].kernel_paths[device.type] for name in opts if name.startswith("adamw8")
+        name: opts[name].kernel_paths[device.type] for name in opts if name.startswith("adamw8b")
     }
     result = {
         "device": device.type,
@@ -482,9 +502,14 @@ def _print(r: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"LPT makespan / round robin: {span['lpt'] / span['round_robin']:.3f}")
     a, s = r["adam_ms"], r["state_bytes"]
     print(
+        f"AdamW (ragged_optimizers, per run): step {a['adamw_flat']:.0f} ms vs torch AdamW "
+        f"foreach {a['adamw_foreach']:.0f} ms ({a['adamw_flat'] / a['adamw_foreach']:.2f}x)"
+    )
+    print(
         f"AdamW8bit: step {a['adamw8bit']:.0f} ms vs torch AdamW foreach "
         f"{a['adamw_foreach']:.0f} ms "
-        f"({a['adamw8bit'] / a['adamw_foreach']:.2f}x); state {s['adamw8bit'] / 1e6:.1f} MB vs "
+        f"({a['adamw8bit'] / a['adamw_foreach']:.2f}x), vs ragged_optimizers.AdamW "
+        f"({a['adamw8bit'] / a['adamw_flat']:.2f}x); state {s['adamw8bit'] / 1e6:.1f} MB vs "
         f"{s['adamw_foreach'] / 1e6:.1f} MB ({s['adamw8bit'] / s['adamw_foreach']:.4f}x, "
         f"{s['adamw8bit'] / r['num_params']:.4f} bytes per parameter)"
     )

@@ -171,3 +171,94 @@ def test_bad_input() -> None:
         AdamW8bit(p, block_size=(32, 0))
     with pytest.raises(ValueError, match="min_8bit_numel must be an int"):
         AdamW8bit(p, min_8bit_numel=1.5)
+
+
+# Parameters viewing one storage, as a DBuffer's shard holds them: 8-bit ones of 64 columns
+# (the (40, 64) one ends with a partial block of rows, so its run ends there), one of 96
+# columns, a 1-D one with fp32 state, and padding before the last.
+SHARED = [(64, 64), (32, 64), (40, 64), (64, 64), (32, 96), (70,), (64, 64)]
+SHARED_GAPS = [0, 0, 0, 0, 0, 0, 3]
+
+
+def _shared(seed: int) -> tuple[torch.Tensor, list[torch.nn.Parameter], list[torch.Tensor]]:
+    sizes = [torch.Size(s).numel() for s in SHARED]
+    total = sum(sizes) + sum(SHARED_GAPS)
+    storage = torch.randn(total, generator=torch.Generator().manual_seed(seed)) * 0.1
+    grad_storage = torch.zeros(total)
+    params, grads, at = [], [], 0
+    for shape, size, gap in zip(SHARED, sizes, SHARED_GAPS, strict=True):
+        at += gap
+        params.append(torch.nn.Parameter(storage[at : at + size].view(shape)))
+        grads.append(grad_storage[at : at + size].view(shape))
+        at += size
+    return storage, params, grads
+
+
+class _Counting:
+    """Counts the 8-bit kernel's calls."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.calls = kernel, 0
+
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.kernel(*args)
+
+
+def test_runs_of_whole_blocks_step_as_one_tensor_bitwise() -> None:
+    """Adjacent 8-bit pieces with whole blocks step in one kernel call per run, with the bits
+    of each parameter stepped alone (copies in storages of their own)."""
+    storage, shared, grad_views = _shared(0)
+    alone = [torch.nn.Parameter(p.detach().clone()) for p in shared]
+    runs_opt = AdamW8bit(shared, min_8bit_numel=1024, fused=False)
+    alone_opt = AdamW8bit(alone, min_8bit_numel=1024, fused=False)
+    runs_opt._kernel = _Counting(runs_opt._kernel)
+    alone_opt._kernel = _Counting(alone_opt._kernel)
+    padding = storage[-(SHARED_GAPS[-1] + 64 * 64) : -(64 * 64)].clone()
+    gen = torch.Generator().manual_seed(1)
+    for step in range(4):
+        for param, view, copy_ in zip(shared, grad_views, alone, strict=True):
+            grad = torch.randn(param.shape, generator=gen) * 0.01
+            if step == 2 and param.shape == (32, 96):
+                param.grad = copy_.grad = None  # no gradient: its count lags from here on
+                continue
+            view.copy_(grad)
+            param.grad, copy_.grad = view, grad.clone()
+        runs_opt.step()
+        alone_opt.step()
+        for i, (a, b) in enumerate(zip(shared, alone, strict=True)):
+            assert torch.equal(a, b), (step, i)
+            for key, value in alone_opt.state[b].items():
+                assert torch.equal(runs_opt.state[a][key], value), (step, i, key)
+    assert torch.equal(storage[-(SHARED_GAPS[-1] + 64 * 64) : -(64 * 64)], padding)
+    # Runs: [(64, 64), (32, 64), (40, 64)] (the 40-row piece ends it), [(64, 64)], [(32, 96)]
+    # and [(64, 64)] after the padding; the 1-D one steps with fp32 state.
+    assert alone_opt._kernel.calls == 4 * 6 - 1
+    assert runs_opt._kernel.calls == 4 * 4 - 1
+    assert runs_opt.state[shared[0]]["exp_avg"].dtype == torch.uint8
+    assert runs_opt.state[shared[5]]["exp_avg"].dtype == torch.float32
+
+
+def test_state_dict_of_runs_loads_into_parameters_stepped_alone() -> None:
+    _, shared, grad_views = _shared(2)
+    alone = [torch.nn.Parameter(p.detach().clone()) for p in shared]
+    runs_opt = AdamW8bit(shared, min_8bit_numel=1024, fused=False)
+    for param, view in zip(shared, grad_views, strict=True):
+        view.normal_(generator=torch.Generator().manual_seed(3))
+        param.grad = view
+    runs_opt.step()
+    alone_opt = AdamW8bit(alone, min_8bit_numel=1024, fused=False)
+    alone_opt.load_state_dict(runs_opt.state_dict())
+    back = AdamW8bit(shared, min_8bit_numel=1024, fused=False)
+    back.load_state_dict(alone_opt.state_dict())
+    for a, b in zip(shared, alone, strict=True):
+        for key, value in runs_opt.state[a].items():
+            assert torch.equal(alone_opt.state[b][key], value), key
+            assert torch.equal(back.state[a][key], value), key
+    broken = runs_opt.state_dict()
+    broken["state"][0]["exp_avg_scale"] = torch.zeros(3, 2)
+    with pytest.raises(ValueError, match=r"'exp_avg_scale' of params\[0\] has local shape \(6,\)"):
+        AdamW8bit(shared, min_8bit_numel=1024).load_state_dict(broken)

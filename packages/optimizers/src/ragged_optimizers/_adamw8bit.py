@@ -12,6 +12,7 @@ ranks.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -24,7 +25,10 @@ from ragged_optimizers._adamw import adamw_step, check_betas, check_nonnegative
 from ragged_optimizers._blockwise import BlockwiseKernel, Fused, KernelPath, step_scalars
 from ragged_optimizers._closure import closure_loss
 from ragged_optimizers._layout import Layout, layout_of, local_flat
+from ragged_optimizers._runs import GroupRuns, Run, Segment
 from ragged_placement import RaggedShard
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def _check_block(block_size: object) -> tuple[int, int]:
@@ -95,6 +99,7 @@ class AdamW8bit(Optimizer):
         }
         self._layouts: dict[int, Layout] = {}
         self._param_names: dict[int, str] = {}
+        self._runs: dict[int, GroupRuns] = {}  # by id of the param group
         super().__init__(params, defaults)
 
     @property
@@ -144,10 +149,41 @@ class AdamW8bit(Optimizer):
                 cast = isinstance(value, torch.Tensor) and loaded is not None
                 if cast and loaded.dtype != value.dtype:
                     self.state[param][key] = value.to(device=loaded.device)
+        self._runs.clear()
+        for group in self.param_groups:
+            self._group_runs(group)
 
     @staticmethod
     def _is_8bit(layout: Layout, group: dict[str, Any]) -> bool:
         return len(layout.full_shape) == 2 and layout.full_numel >= group["min_8bit_numel"]
+
+    def _name(self, param: torch.Tensor) -> str:
+        return self._param_names.get(id(param), "a parameter")
+
+    def _group_runs(self, group: dict[str, Any]) -> GroupRuns:
+        runs = self._runs.get(id(group))
+        if runs is None or not runs.is_current(group["params"]):
+            cut = functools.partial(self._cut, group)
+            runs = self._runs[id(group)] = GroupRuns(group["params"], self._name, cut)
+            for run in runs.runs:
+                self._adopt(run, group)
+        return runs
+
+    def _cut(self, group: dict[str, Any], before: torch.Tensor, after: torch.Tensor) -> bool:
+        """Whether a run must end between two adjacent parameters: its blocks must tile it.
+
+        8-bit pieces join when they have the same number of columns and the first ends on a
+        block boundary (its piece holds whole blocks of rows); fp32-state pieces join any.
+        """
+        first, second = self._layouts[id(before)], self._layouts[id(after)]
+        eight_bit = self._is_8bit(first, group)
+        if eight_bit != self._is_8bit(second, group):
+            return True
+        if not eight_bit:
+            return False
+        cols = first.shape[-1]
+        lo, hi = first.local_range
+        return cols != second.shape[-1] or (hi - lo) % (group["block_size"][0] * cols) != 0
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -162,32 +198,31 @@ class AdamW8bit(Optimizer):
         loss = closure_loss(closure)
         scalars: dict[Any, torch.Tensor] = {}  # one tensor per distinct step and settings
         for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is not None:
-                    self._update(param, group, scalars)
+            for segment in self._group_runs(group).segments():
+                self._update(segment, group, scalars)
+                segment.run.advance(segment.lo, segment.hi)
         return loss
 
     def _update(
-        self, param: torch.Tensor, group: dict[str, Any], scalars: dict[Any, torch.Tensor]
+        self, segment: Segment, group: dict[str, Any], scalars: dict[Any, torch.Tensor]
     ) -> None:
-        layout = self._layouts[id(param)]
+        """One step of parameters lo .. hi-1 of a run, as one tensor."""
+        run, lo, hi = segment.run, segment.lo, segment.hi
+        layout = self._layouts[id(run.params[lo])]
         eight_bit = self._is_8bit(layout, group)
-        state = self.state[param]
-        if "step" not in state:
-            state.update(self._initial_state(param, layout, group, eight_bit))
-        state["step"] += 1
-        assert param.grad is not None
-        local = local_flat(param)
-        grad = local_flat(param.grad)
-        step = int(state["step"].item())
+        if run.counts[lo] == 0:
+            self._init_state(run, lo, hi, group, eight_bit)
+        step = run.counts[lo] + 1
+        local, grad = segment.param.view(-1), segment.grad.view(-1)
         if not eight_bit:
-            _fp32_state_update(local, grad, state, step, group)
+            moments = {key: run.part(run.state[key], lo, hi) for key in _MOMENTS}
+            _fp32_state_update(local, grad, moments, step, group)
             return
         if local.numel() == 0:
             return
         block = group["block_size"]
         cols = layout.shape[-1]
-        grid_cols = -(-cols // block[1])
+        first, end = _scale_rows(run, lo, hi, cols * block[0])
         key = (step, group["lr"], group["betas"], group["eps"], group["weight_decay"], local.device)
         if key not in scalars:
             scalars[key] = step_scalars(
@@ -201,32 +236,95 @@ class AdamW8bit(Optimizer):
         self._kernel(
             local.view(-1, cols),
             grad.view(-1, cols),
-            _local2d(state["exp_avg"], cols),
-            _local2d(state["exp_avg_scale"], grid_cols),
-            _local2d(state["exp_avg_sq"], cols),
-            _local2d(state["exp_avg_sq_scale"], grid_cols),
+            run.part(run.state["exp_avg"], lo, hi).view(-1, cols),
+            run.state["exp_avg_scale"][first:end],
+            run.part(run.state["exp_avg_sq"], lo, hi).view(-1, cols),
+            run.state["exp_avg_sq_scale"][first:end],
             scalars[key],
             block,
         )
 
-    def _initial_state(
-        self, param: torch.Tensor, layout: Layout, group: dict[str, Any], eight_bit: bool
-    ) -> dict[str, torch.Tensor]:
-        local = local_flat(param)
-        state = {"step": torch.tensor(0.0)}
+    def _flat_state(self, run: Run, group: dict[str, Any], eight_bit: bool) -> None:
+        """The run's flat state, zeros: codes and a scale grid (8-bit), or fp32 moments."""
+        if run.state:
+            return
         if not eight_bit:
-            for key in ("exp_avg", "exp_avg_sq"):
-                state[key] = layout.wrap(torch.zeros_like(local, dtype=torch.float32), param)
-            return state
+            for key in _MOMENTS:
+                run.state_tensor(key, torch.float32)
+            return
         block = group["block_size"]
-        rows = _block_rows(layout, block, "")
-        grid_cols = -(-layout.shape[1] // block[1])
-        lo, hi = rows[layout.rank]
-        for key in ("exp_avg", "exp_avg_sq"):
-            state[key] = layout.wrap(torch.zeros_like(local, dtype=torch.uint8), param)
-            scales = torch.zeros(hi - lo, grid_cols, device=local.device)
-            state[f"{key}_scale"] = _wrap_grid(scales, layout, param, rows, grid_cols)
-        return state
+        layout = self._layouts[id(run.params[0])]
+        cols = layout.shape[-1]
+        grid_cols = -(-cols // block[1])
+        _, num_rows = _scale_rows(run, 0, len(run.params), cols * block[0])
+        for key in _MOMENTS:
+            run.state_tensor(key, torch.uint8)
+            run.state[f"{key}_scale"] = torch.zeros(num_rows, grid_cols, device=run.flat.device)
+
+    def _exposed(self, run: Run, index: int, group: dict[str, Any], key: str) -> torch.Tensor:
+        """Parameter `index`'s view of the run's flat state `key`, laid out like it."""
+        param = run.params[index]
+        layout = self._layouts[id(param)]
+        if not key.endswith("_scale"):
+            return layout.wrap(run.part(run.state[key], index, index + 1), param)
+        block = group["block_size"]
+        cols = layout.shape[-1]
+        first, end = _scale_rows(run, index, index + 1, cols * block[0])
+        grid_cols = -(-cols // block[1])
+        rows = _block_rows(layout, block, self._name(param))
+        return _wrap_grid(run.state[key][first:end], layout, param, rows, grid_cols)
+
+    def _init_state(
+        self, run: Run, lo: int, hi: int, group: dict[str, Any], eight_bit: bool
+    ) -> None:
+        """The first step of parameters lo .. hi-1: their state, views of the run's."""
+        self._flat_state(run, group, eight_bit)
+        for i in range(lo, hi):
+            state = self.state[run.params[i]]
+            if state:
+                continue
+            state["step"] = run.steps[i]
+            for key in run.state:
+                state[key] = self._exposed(run, i, group, key)
+
+    def _adopt(self, run: Run, group: dict[str, Any]) -> None:
+        """Moves the state the run's parameters already have into the run's flat state.
+
+        That state was loaded, or made before their storage moved; each parameter's state
+        then holds views of the flat state instead.
+        """
+        held = [(i, self.state[p]) for i, p in enumerate(run.params) if self.state.get(p)]
+        if not held:
+            return
+        run.state = {}
+        self._flat_state(run, group, self._is_8bit(self._layouts[id(run.params[0])], group))
+        for i, state in held:
+            name = self._name(run.params[i])
+            for key in list(run.state):
+                value = state.get(key)
+                if value is None:
+                    raise ValueError(f"load_state_dict: the state of {name} has no {key!r}")
+                target = self._exposed(run, i, group, key)
+                piece, into = local_flat(value), local_flat(target)
+                if piece.shape != into.shape or piece.dtype != into.dtype:
+                    raise ValueError(
+                        f"load_state_dict: state {key!r} of {name} has local shape "
+                        f"{tuple(piece.shape)} and dtype {piece.dtype}; this layout needs "
+                        f"{tuple(into.shape)} and {into.dtype}"
+                    )
+                into.copy_(piece)
+                state[key] = target
+            run.load_counts(i, state.get("step"), name)
+            state["step"] = run.steps[i]
+
+
+def _scale_rows(run: Run, lo: int, hi: int, block_numel: int) -> tuple[int, int]:
+    """[first, end) rows of the run's scale grid that parameters lo .. hi-1 cover.
+
+    Every piece but the run's last holds whole blocks of rows (`_cut`), so a piece's first
+    row of blocks is its start over the block's elements, and its end rounds up.
+    """
+    return run.positions[lo] // block_numel, -(-run.positions[hi] // block_numel)
 
 
 def _fp32_state_update(

@@ -183,15 +183,7 @@ class AdamW(Optimizer):
                     )
                 run.part(flat, i, i + 1).copy_(piece)
         for i, st in held:
-            step = st.get("step")
-            if step is None:
-                raise ValueError(
-                    f"load_state_dict: the state of {self._name(run.params[i])} "
-                    f"has no 'step' (keys: {sorted(st)})"
-                )
-            run.counts[i] = int(step.item() if isinstance(step, torch.Tensor) else step)
-            run.steps[i] = run.counts[i]
-            run.uniform = len(set(run.counts)) == 1
+            run.load_counts(i, st.get("step"), self._name(run.params[i]))
             st["step"] = run.steps[i]
             for key in keys:
                 if key in st:
@@ -250,15 +242,7 @@ class AdamW(Optimizer):
             maximize=group["maximize"],
         )
         for segment in segments:
-            run, lo, hi = segment.run, segment.lo, segment.hi
-            count = run.counts[lo] + 1
-            if hi - lo == len(run.counts):  # the whole run (uniform before, so after)
-                run.counts = [count] * (hi - lo)
-                run.steps.fill_(count)
-            else:
-                run.counts[lo:hi] = [count] * (hi - lo)
-                run.steps[lo:hi] = count
-                run.uniform = len(set(run.counts)) == 1
+            segment.run.advance(segment.lo, segment.hi)
 
     def _init_state(self, run: Run, lo: int, hi: int, keys: tuple[str, ...]) -> None:
         """The first step of parameters lo .. hi-1: their state, views of the run's."""

@@ -18,6 +18,7 @@ Padding between two pieces ends a run, so it is never stepped and never in a sta
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -108,6 +109,27 @@ class Run:
             found = self.state[key] = torch.zeros(flat.shape, dtype=dtype, device=flat.device)
         return found
 
+    def advance(self, lo: int, hi: int) -> None:
+        """Counts one more step for parameters lo .. hi-1 (`steps` and `counts`)."""
+        count = self.counts[lo] + 1
+        if hi - lo == len(self.counts):  # the whole run (uniform before, so after)
+            self.counts = [count] * (hi - lo)
+            self.steps.fill_(count)
+        else:
+            self.counts[lo:hi] = [count] * (hi - lo)
+            self.steps[lo:hi] = count
+            self.uniform = len(set(self.counts)) == 1
+
+    def load_counts(self, index: int, step: object, name: str) -> None:
+        """Sets parameter `index`'s count from a loaded `state["step"]` (a number or tensor)."""
+        if isinstance(step, torch.Tensor):
+            step = step.item()
+        if not isinstance(step, int | float):
+            raise ValueError(f"load_state_dict: the state of {name} has no 'step' ({step!r})")
+        self.counts[index] = int(step)
+        self.steps[index] = self.counts[index]
+        self.uniform = len(set(self.counts)) == 1
+
     def exposed(self, index: int, flat_state: torch.Tensor) -> torch.Tensor:
         """Parameter `index`'s view of a flat state tensor, laid out like the parameter."""
         piece = self.part(flat_state, index, index + 1).view(self.pieces[index].shape)
@@ -131,9 +153,16 @@ class GroupRuns:
     Args:
         params: The group's parameters.
         name_of: How to name a parameter in errors.
+        cut: Whether a run must end between two adjacent parameters (an optimizer whose
+            state has a structure the pieces must share: AdamW8bit's blocks); None: never.
     """
 
-    def __init__(self, params: Sequence[torch.Tensor], name_of: Callable[[torch.Tensor], str]):
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        name_of: Callable[[torch.Tensor], str],
+        cut: Callable[[torch.Tensor, torch.Tensor], bool] | None = None,
+    ):
         self.piece_ids = list(map(id, local_pieces(params)))
         self.name_of = name_of
         # In storage order: a user may list parameters in any order.
@@ -145,18 +174,27 @@ class GroupRuns:
             positions = [0]
             for size in found.sizes:
                 positions.append(positions[-1] + size)
-            self.first_member.append(found.start)
-            self.runs.append(
-                Run(
-                    params=members,
-                    pieces=local_pieces(members),
-                    flat=found.flat,
-                    sizes=found.sizes,
-                    positions=positions,
-                    counts=[0] * len(members),
-                    steps=torch.zeros(len(members)),
+            bounds = [0]
+            if cut is not None:
+                bounds += [i for i in range(1, len(members)) if cut(members[i - 1], members[i])]
+            bounds.append(len(members))
+            for lo, hi in itertools.pairwise(bounds):
+                if hi - lo == 1:
+                    flat = local_pieces(members[lo:hi])[0]
+                else:
+                    flat = found.flat[positions[lo] : positions[hi]]
+                self.first_member.append(found.start + lo)
+                self.runs.append(
+                    Run(
+                        params=members[lo:hi],
+                        pieces=local_pieces(members[lo:hi]),
+                        flat=flat,
+                        sizes=found.sizes[lo:hi],
+                        positions=[p - positions[lo] for p in positions[lo : hi + 1]],
+                        counts=[0] * (hi - lo),
+                        steps=torch.zeros(hi - lo),
+                    )
                 )
-            )
 
     def is_current(self, params: Sequence[torch.Tensor]) -> bool:
         """Whether the parameters still have the pieces the runs were made from."""
