@@ -40,8 +40,17 @@ TORCH_GPU = "2.14.1"  # the CUDA build stored on these machines
 TORCH_CAP = (2, 14)
 TEST_DEPS = ["pytest>=8", "hypothesis>=6.100"]
 # DCP needs numpy; examples/train.py tqdm; the engine's tests build transformers models
-# and torch's DTensor test Transformer (whose module imports expecttest).
-TORCH_TEST_DEPS = [*TEST_DEPS, "numpy", "tqdm", "transformers>=5.17,<5.19", "expecttest"]
+# and torch's DTensor test Transformer (whose module imports expecttest); torchao's
+# compiled AdamW8bit runs on RaggedShard parameters (tests/test_compile_cache.py; on a torch
+# older than 2.11 torchao skips its C++ kernels, which those tests do not use).
+TORCH_TEST_DEPS = [
+    *TEST_DEPS,
+    "numpy",
+    "tqdm",
+    "transformers>=5.17,<5.19",
+    "expecttest",
+    "torchao>=0.18,<0.19",
+]
 # Frameworks that drive FSDP2, run with ours swapped in (tests/test_torchtitan.py,
 # test_accelerate.py): torchtitan 0.3.0 needs torch >= 2.14 and brings spmd_types (the
 # spmd_types parameter tests); installed with the newest torch only.

@@ -132,6 +132,21 @@ def test_missing_and_replaced_gradients_step_alone() -> None:
     _train({"lr": 1e-2, "amsgrad": True}, _interleaved_groups, steps=6, skips=skips, replace_at=3)
 
 
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_long_cpu_runs_step_in_chunks_in_place(monkeypatch, amsgrad) -> None:
+    # 5 elements a chunk: the runs (up to 12 elements, padding inside) split mid-parameter.
+    import ragged_optimizers._flat_adamw as flat
+
+    calls = []
+    real = flat._cpu_chunks
+    monkeypatch.setattr(flat, "_CPU_FOREACH_CHUNK", 5)
+    monkeypatch.setattr(flat, "_cpu_chunks", lambda *a: calls.append(real(*a)) or calls[-1])
+    _train({"lr": 1e-2, "amsgrad": amsgrad}, _one_group)
+    operands, counts = calls[-1]
+    assert max(ops[0].numel() for ops in operands) == 5 and len(operands) > 6
+    assert len(counts) == len(operands)
+
+
 def test_lr_scheduler_drives_it() -> None:
     shared = Shared(SHAPES, GAPS, seed=1)
     theirs = shared.copies()

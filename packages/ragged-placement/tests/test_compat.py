@@ -275,3 +275,46 @@ def test_foreach_handlers_are_installed_and_lifted_for_one_call(tmp_path) -> Non
         """
     )
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
+
+
+def test_compile_cache_key_of_a_ragged_dtensor_is_its_rank_s_piece() -> None:
+    # torch.compile's on-disk cache keys a DTensor by spec and device: every rank of a CPU
+    # mesh would get one key for pieces of three shapes. A RaggedShard's key names the piece
+    # (equal pieces share one); other placements keep torch's key.
+    if not hasattr(dtensor_pkg.DTensor, "_stable_hash_for_caching"):
+        pytest.skip(
+            f"torch {torch.__version__} has no DTensor._stable_hash_for_caching to extend "
+            "(tests/test_compile_cache.py checks a shared cache on every torch)"
+        )
+    result = _python(
+        """
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import DTensor, Shard
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        from ragged_placement import RaggedShard
+
+        keys = {"ragged": [], "equal": [], "shard": [], "shard_torch": []}
+        for rank in range(3):
+            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=3)
+            mesh = DeviceMesh("cpu", [0, 1, 2])
+            for name, rows in (("ragged", (4, 0, 2)), ("equal", (2, 2, 2))):
+                piece = torch.zeros(rows[rank] * 5)
+                dt = DTensor.from_local(
+                    piece, mesh, [RaggedShard((0,), rows)], shape=(6, 5), stride=(5, 1)
+                )
+                keys[name].append(dt._stable_hash_for_caching())
+            dt = DTensor.from_local(torch.zeros(2, 5), mesh, [Shard(0)])
+            keys["shard"].append(dt._stable_hash_for_caching())
+            ours = DTensor._stable_hash_for_caching
+            keys["shard_torch"].append(getattr(ours, "__wrapped__", ours)(dt))
+            dist.destroy_process_group()
+        assert len(set(keys["ragged"])) == 3, keys["ragged"]
+        assert len(set(keys["equal"])) == 1, keys["equal"]
+        assert keys["shard"] == keys["shard_torch"], keys
+        print("ok")
+        """
+    )
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]

@@ -32,6 +32,10 @@ from ragged_placement import local_pieces
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 _MAX = "max_exp_avg_sq"
+# The foreach kernels allocate a temporary the size of each tensor; on CPU one the size of a
+# whole run (hundreds of MB) is fresh memory every step, its page faults a quarter of the step
+# (47M parameters: 420 ms as one tensor, 331 ms in 4M-element chunks, 340 ms per parameter).
+_CPU_FOREACH_CHUNK = 1 << 22
 
 
 @functools.cache
@@ -213,22 +217,27 @@ class AdamW(Optimizer):
             run = segment.run
             if run.counts[segment.lo] == 0:
                 self._init_state(run, segment.lo, segment.hi, keys)
-        states = {
-            key: [s.run.part(s.run.state_tensor(key), s.lo, s.hi) for s in segments] for key in keys
-        }
-        # torch's kernels count each tensor's step in a tensor they increment: one per
-        # segment, on the device for the fused kernel (as torch.optim.AdamW keeps it).
-        steps = [
-            torch.tensor(float(s.run.counts[s.lo]), device=s.param.device if fused else None)
+        operands = [
+            [s.param, s.grad, *(s.run.part(s.run.state_tensor(k), s.lo, s.hi) for k in keys)]
             for s in segments
         ]
+        counts = [s.run.counts[s.lo] for s in segments]
+        if not fused:
+            operands, counts = _cpu_chunks(operands, counts)
+        # torch's kernels count each tensor's step in a tensor they increment: one per
+        # tensor, on the device for the fused kernel (as torch.optim.AdamW keeps it).
+        steps = [
+            torch.tensor(float(c), device=ops[0].device if fused else None)
+            for c, ops in zip(counts, operands, strict=True)
+        ]
+        columns = list(zip(*operands, strict=True))
         beta1, beta2 = group["betas"]
         adamw(
-            [s.param for s in segments],
-            [s.grad for s in segments],
-            states["exp_avg"],
-            states["exp_avg_sq"],
-            states.get(_MAX, []),
+            list(columns[0]),
+            list(columns[1]),
+            list(columns[2]),
+            list(columns[3]),
+            list(columns[4]) if amsgrad else [],
             steps,
             foreach=None if fused else group["foreach"] is not False,
             fused=fused or None,
@@ -253,3 +262,33 @@ class AdamW(Optimizer):
             state["step"] = run.steps[i]
             for key in keys:
                 state[key] = run.exposed(i, run.state_tensor(key))
+
+
+def _cpu_chunks(
+    operands: list[list[torch.Tensor]], counts: list[int]
+) -> tuple[list[list[torch.Tensor]], list[int]]:
+    """Long CPU tensors in chunks of `_CPU_FOREACH_CHUNK` elements (the same arithmetic).
+
+    Only contiguous ones: their chunks are views, so the kernels update them in place.
+    """
+    if not any(map(_chunkable, operands)):
+        return operands, counts
+    out_operands, out_counts = [], []
+    for ops, count in zip(operands, counts, strict=True):
+        if not _chunkable(ops):
+            out_operands.append(ops)
+            out_counts.append(count)
+            continue
+        chunks = [torch.split(t.view(-1), _CPU_FOREACH_CHUNK) for t in ops]
+        out_operands += [list(c) for c in zip(*chunks, strict=True)]
+        out_counts += [count] * len(chunks[0])
+    return out_operands, out_counts
+
+
+def _chunkable(operands: list[torch.Tensor]) -> bool:
+    first = operands[0]
+    return (
+        first.numel() > _CPU_FOREACH_CHUNK
+        and first.device.type == "cpu"
+        and all(t.is_contiguous() for t in operands)
+    )

@@ -17,6 +17,8 @@ at each call:
 - `to_local()`'s autograd backward, which cannot infer a RaggedShard gradient's stride;
 - `DTensor.__create_write_items__` / `__create_chunk_list__` / `__get_tensor_shard__`, through
   which torch.distributed.checkpoint reads and writes a DTensor's chunks;
+- `DTensor._stable_hash_for_caching` (where torch has it), torch.compile's on-disk cache key
+  of a DTensor input, which must tell one rank's RaggedShard piece from another's;
 - `OpDispatcher._propagate_op_sharding_dispatch_slow_path` (called by the C++ DTensor
   dispatcher on a sharding-cache miss) and `ShardingPropagator.propagate` (the Python path);
 - `OpDispatcher._dispatch_get_local_results_slow_path`, for random fills (`normal_`,
@@ -636,6 +638,24 @@ def _install(hooks: Hooks) -> None:
     setattr(DTensor, "__create_write_items__", create_write_items)  # noqa: B010
     setattr(DTensor, "__create_chunk_list__", create_chunk_list)  # noqa: B010
     setattr(DTensor, "__get_tensor_shard__", get_tensor_shard)  # noqa: B010
+
+    # torch.compile's on-disk AOTAutograd cache keys a DTensor input by its spec (global
+    # shape, placements, mesh) and device, not by its local piece. Ranks share one cache
+    # directory by default and, on CPU, one device: a rank would load code compiled for
+    # another rank's RaggedShard piece of another shape (wrong-size asserts, crashes, or
+    # silently wrong results). The piece's shape and stride join the key.
+    original_cache_hash = getattr(DTensor, "_stable_hash_for_caching", None)
+    if original_cache_hash is not None:
+
+        @functools.wraps(original_cache_hash)
+        def stable_hash_for_caching(self: DTensor) -> str:
+            key: str = original_cache_hash(self)
+            if not hooks.is_ragged(self.placements):
+                return key
+            local = self._local_tensor
+            return f"{key}/{tuple(local.shape)}/{tuple(local.stride())}"
+
+        setattr(DTensor, "_stable_hash_for_caching", stable_hash_for_caching)  # noqa: B010
 
     original_propagate = ShardingPropagator.propagate
 
