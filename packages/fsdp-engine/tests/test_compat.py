@@ -182,3 +182,44 @@ def test_a_method_a_later_torch_adds_raises_naming_itself(monkeypatch) -> None:
     finally:
         if "set_something_new" in vars(_module.FSDPModule):
             delattr(_module.FSDPModule, "set_something_new")
+
+
+@pytest.fixture
+def fake_mesh_2d():
+    """A (2, 2) mesh on torch's fake process group (this process plays rank 0 of 4)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        yield init_device_mesh("cpu", (2, 2))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_norm_keys_group_by_mesh_and_sharded_axes(fake_mesh_2d) -> None:
+    """Equal (mesh, placement kinds) give one key object, remembered per spec; devices by value."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from ragged_placement import RaggedShard
+
+    mesh = fake_mesh_2d
+    local = torch.zeros(2, 3)
+
+    def dtensor(*placements, piece=local):
+        return DTensor.from_local(piece, mesh, placements, shape=(4, 6), stride=(6, 1))
+
+    a, b = dtensor(Shard(0), Replicate()), dtensor(Shard(1), Replicate())
+    c = dtensor(Replicate(), RaggedShard((0,), (2, 2)), piece=torch.zeros(12))
+    d = dtensor(Replicate(), Replicate())
+    keys = _compat.norm_keys([a, b, c, d])
+    assert keys[0] is keys[1] and keys[0] == (mesh, (0,))  # Shard(0) and Shard(1): kinds
+    assert keys[2] == (mesh, (1,)) and keys[3] == (mesh, ())
+    assert _compat.norm_keys([d, a])[1] is keys[0]  # remembered by spec: the same objects
+    e = dtensor(Shard(0), Replicate())  # a new spec, the same kinds: the same key
+    assert _compat.norm_keys([e])[0] is keys[0]
+    plain = _compat.norm_keys([torch.zeros(1), torch.zeros(2), a])
+    assert plain[0] is plain[1] and plain[0] == (torch.device("cpu"), ())
+    assert plain[2] is keys[0]

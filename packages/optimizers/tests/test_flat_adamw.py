@@ -263,3 +263,24 @@ def test_any_layout_steps_as_torch(spec) -> None:
         torchs.step()
         _assert_same(ours, torchs, shared.params, theirs)
         assert torch.equal(shared.storage[shared.padding], shared.padding_values)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_as_torch(set_to_none) -> None:
+    shared = Shared(SHAPES, GAPS, seed=6)
+    copies = shared.copies()
+    ours = AdamW(shared.params, lr=1e-2)
+    theirs = torch.optim.AdamW(copies, lr=1e-2, foreach=True)
+    grads = _grads(SHAPES, 0, skip=frozenset({1}))
+    shared.set_grads(grads)
+    for copy, grad in zip(copies, grads, strict=True):
+        copy.grad = None if grad is None else grad.clone()
+    ours.zero_grad(set_to_none=set_to_none)
+    theirs.zero_grad(set_to_none=set_to_none)
+    for param, copy in zip(shared.params, copies, strict=True):
+        if copy.grad is None:
+            assert param.grad is None
+        else:  # zeroed in place: still the view of the gradient storage
+            assert param.grad is not None and not param.grad.any()
+            assert param.grad.untyped_storage().data_ptr() == shared.grad_storage.data_ptr()
+    assert set_to_none or shared.grad_storage.count_nonzero() == 0

@@ -76,7 +76,7 @@ def clip_grad_norm_(
         _reduced_norm(_local_norm(flats, p), p, axes) for (_, axes), flats in flats_by_group.items()
     ]
     device = norms[0].device if norms else torch.device(pp_mesh.device_type)  # type: ignore[union-attr]
-    total = _combined([n.to(device) for n in norms], p, device)
+    total = _combined([n if n.device == device else n.to(device) for n in norms], p, device)
     if pp_mesh is not None:
         total = _reduce(total, p, [pp_mesh.get_group()])
     if error_if_nonfinite and not bool(torch.isfinite(total)):
@@ -91,7 +91,7 @@ def clip_grad_norm_(
         for flat in flats:
             by_device.setdefault(flat.device, []).append(flat)
     for flat_device, flats in by_device.items():
-        torch._foreach_mul_(flats, coef.to(flat_device))
+        torch._foreach_mul_(flats, coef if flat_device == coef.device else coef.to(flat_device))
     return total
 
 
@@ -145,6 +145,8 @@ def _combined(norms: list[torch.Tensor], p: float, device: torch.device) -> torc
     """The p-norm of several p-norms (of disjoint sets of elements)."""
     if not norms:
         return torch.zeros((), device=device)
+    if len(norms) == 1:  # the p-norm of one norm (>= 0) is that norm
+        return norms[0]
     stacked = torch.stack(norms)
     total: torch.Tensor = stacked.sum() if p == 0 else torch.linalg.vector_norm(stacked, p)
     return total  # (a 0-norm counts non-zeros: counts add)

@@ -40,7 +40,8 @@
   torch 2.15 made it from those); None for anything else.
 - `norm_keys(tensors)`: reads each DTensor's `_spec` (mesh and placements) directly: the
   public `device_mesh` / `placements` are Python properties, and `clip_grad_norm_` asks
-  every gradient every step.
+  every gradient every step. It remembers each spec's key by the spec's identity (a
+  DBuffer hands out the same spec objects every step).
 - `flatten_axes(mesh, names)`: `DeviceMesh._flatten`, the one way to make one axis of several
   named ones (`DataParallelMeshDims(shard=("dp_shard", "cp"))`).
 Tested on the torch versions `ragged_placement.SUPPORTED_TORCH` names; others are refused at
@@ -52,6 +53,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import itertools
 import operator
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -61,6 +63,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed.fsdp as torch_fsdp
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Replicate
 from torch.profiler import record_function
 from torch.utils import _pytree as pytree
@@ -324,25 +327,68 @@ def set_fully_shard_state(
 check_torch_version("fsdp_engine")
 
 
-def norm_keys(tensors: Sequence[torch.Tensor]) -> list[tuple[object, tuple[int, ...]]]:
+NormKey = tuple[object, tuple[int, ...]]  # (mesh or device, the mesh axes that shard)
+
+_SPEC = operator.attrgetter("_spec")
+_MESH = operator.attrgetter("mesh")
+_PLACEMENTS = operator.attrgetter("placements")
+_HELD, _KEY = operator.itemgetter(0), operator.itemgetter(1)
+# A gradient's spec is its buffer's, the same object every step: its key is remembered by the
+# spec's identity (the spec is held, so its id is not reused), and keys are interned (one
+# object per mesh and placement kinds, what is held keeps its id). Bounded: both are dropped
+# together when many specs were seen (models built and dropped).
+_KEY_OF_SPEC: dict[int, tuple[object, NormKey]] = {}
+_INTERNED: dict[tuple[object, tuple[type, ...]], NormKey] = {}
+_MAX_SPECS = 1 << 16
+
+
+def norm_keys(tensors: Sequence[torch.Tensor]) -> list[NormKey]:
     """Per tensor: (its mesh, the mesh axes that shard it) for a DTensor, (device, ()) else.
 
     Equal keys are the same object (for one mesh object and one set of placement kinds), so
-    keys compare and group by identity, without Python code per tensor.
+    keys compare and group by identity; DTensors seen before cost no Python call each.
 
     Example:
         >>> norm_keys([torch.zeros(2)])
         [(device(type='cpu'), ())]
     """
-    interned: dict[tuple[int, tuple[type, ...]], tuple[object, tuple[int, ...]]] = {}
-    keys: list[tuple[object, tuple[int, ...]]] = []
-    for tensor in tensors:
-        spec = getattr(tensor, "_spec", None)
-        where = tensor.device if spec is None else spec.mesh
-        kinds = () if spec is None else tuple(map(type, spec.placements))
-        key = interned.get((id(where), kinds))
-        if key is None:
-            axes = tuple(i for i, kind in enumerate(kinds) if not issubclass(kind, Replicate))
-            key = interned[(id(where), kinds)] = (where, axes)
-        keys.append(key)
+    if not tensors or set(map(type, tensors)) != {DTensor}:
+        # A device is a new object per tensor: keyed by value (a mesh by identity).
+        specs = [getattr(tensor, "_spec", None) for tensor in tensors]
+        wheres = [t.device if s is None else s.mesh for t, s in zip(tensors, specs, strict=True)]
+        pairs = [
+            (where, ()) if spec is None else (id(where), tuple(map(type, spec.placements)))
+            for where, spec in zip(wheres, specs, strict=True)
+        ]
+        return _interned(pairs, wheres)
+    specs = list(map(_SPEC, tensors))
+    known = list(map(_KEY_OF_SPEC.get, map(id, specs)))
+    if None not in known and all(map(operator.is_, map(_HELD, known), specs)):  # type: ignore[arg-type]
+        return list(map(_KEY, known))  # type: ignore[arg-type]
+    if len(_KEY_OF_SPEC) > _MAX_SPECS:
+        _KEY_OF_SPEC.clear()
+        _INTERNED.clear()
+    meshes = list(map(_MESH, specs))
+    placements = list(map(_PLACEMENTS, specs))
+    ndims = set(map(len, placements))
+    if len(ndims) == 1:  # the placement kinds axis by axis, in C
+        axes = range(ndims.pop())
+        columns = (map(type, map(operator.itemgetter(a), placements)) for a in axes)
+        kinds = list(zip(*columns, strict=True))
+    else:
+        kinds = list(map(tuple, map(map, itertools.repeat(type), placements)))
+    keys = _interned(list(zip(map(id, meshes), kinds, strict=True)), meshes)
+    _KEY_OF_SPEC.update(zip(map(id, specs), zip(specs, keys, strict=True), strict=True))
     return keys
+
+
+def _interned(
+    pairs: Sequence[tuple[object, tuple[type, ...]]], wheres: Sequence[Any]
+) -> list[NormKey]:
+    """The interned key of each (mesh id or device, placement kinds) pair."""
+    for pair, where in dict(zip(pairs, wheres, strict=True)).items():
+        if pair not in _INTERNED:
+            kinds = pair[1]
+            axes = tuple(i for i, kind in enumerate(kinds) if not issubclass(kind, Replicate))
+            _INTERNED[pair] = (where, axes)
+    return list(map(_INTERNED.__getitem__, pairs))

@@ -193,6 +193,20 @@ class AdamW(Optimizer):
                 if key in st:
                     st[key] = run.exposed(i, run.state[key])
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Resets the gradients, as torch's `Optimizer.zero_grad`.
+
+        With `set_to_none` (the default) each `.grad` is set to None without reading it
+        first: torch's reads each one (a DTensor's `.grad` costs ~0.4 us), a third of the
+        optimizer's own host work on a model of many small parameters.
+        """
+        if not set_to_none:
+            super().zero_grad(set_to_none=False)
+            return
+        for group in self.param_groups:
+            for param in group["params"]:
+                param.grad = None
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Performs one optimization step.
