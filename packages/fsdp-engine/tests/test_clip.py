@@ -41,3 +41,55 @@ def test_edge_cases_and_bad_input() -> None:
     params[0].grad[0, 0] = float("nan")
     with pytest.raises(RuntimeError, match="non-finite"):
         clip_grad_norm_(params, 1.0, error_if_nonfinite=True)
+
+
+@pytest.fixture
+def fake_mesh():
+    """A 1-D mesh of 4 on torch's fake process group (this process plays rank 0)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        yield init_device_mesh("cpu", (4,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _sharded_params(mesh, num_params: int) -> tuple[list[torch.nn.Parameter], torch.Tensor]:
+    """Shard(0) parameters whose gradients view one storage back to back (as a DBuffer's)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    grads = torch.randn(num_params * 6, generator=torch.Generator().manual_seed(num_params))
+    params = []
+    for i in range(num_params):
+        param = DTensor.from_local(torch.zeros(2, 3), mesh, [Shard(0)], shape=(8, 3), stride=(3, 1))
+        param = torch.nn.Parameter(param)
+        param.grad = DTensor.from_local(
+            grads[i * 6 : (i + 1) * 6].view(2, 3), mesh, [Shard(0)], shape=(8, 3), stride=(3, 1)
+        )
+        params.append(param)
+    return params, grads
+
+
+def test_python_calls_do_not_grow_with_parameters(fake_mesh) -> None:
+    """One norm and one scale per run of adjacent gradients: the same calls at 16 and 64."""
+    import cProfile
+    import pstats
+
+    calls = []
+    for num_params in (16, 64):
+        params, grads = _sharded_params(fake_mesh, num_params)
+        expected = torch.linalg.vector_norm(grads)  # the fake group reduces nothing
+        before = grads.clone()
+        clip_grad_norm_(params, 1e9)  # warm: each spec's norm key is remembered
+        profiler = cProfile.Profile()
+        profiler.enable()
+        total = clip_grad_norm_(params, 0.5)
+        profiler.disable()
+        calls.append(pstats.Stats(profiler).total_calls)  # type: ignore[attr-defined]
+        torch.testing.assert_close(total, expected)
+        torch.testing.assert_close(grads, before * (0.5 / (float(expected) + 1e-6)))
+    assert calls[0] == calls[1], calls

@@ -16,7 +16,9 @@ the stages' norms too.
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 from collections.abc import Iterable
 
 import torch
@@ -106,27 +108,27 @@ def _flat_groups(grads: list[torch.Tensor]) -> _Groups:
     the parameters' order, the same on every rank, so that their collectives pair up.
     """
     keys = norm_keys(grads)
-    first: dict[int, int] = {}  # by norm key: its first gradient
-    for i, key in enumerate(keys):
-        first.setdefault(id(key), i)
+    if not keys:  # a pipeline stage without gradients
+        return {}
+    # Stretches of one norm key (keys compare by identity), found in C: a Python step per
+    # stretch, not per gradient.
+    changes = itertools.compress(range(1, len(keys)), map(operator.is_not, keys[1:], keys))
+    bounds = [0, *changes, len(keys)]
     reduced_by: dict[int, tuple[torch.device, tuple[dist.ProcessGroup, ...]]] = {}
-    groups: _Groups = {}
-    for key_id, i in first.items():
-        where, axes = keys[i]
-        over: tuple[dist.ProcessGroup, ...] = ()
-        if isinstance(where, DeviceMesh):
-            over = tuple(where.get_group(axis) for axis in axes)
-        reduced_by[key_id] = (grads[i].device, over)
-        groups.setdefault(reduced_by[key_id], [])
-    # Runs of adjacent pieces within stretches of one norm key. In the parameters' order:
-    # `fully_shard` lays a group's parameters out in that order, and a run that order cuts
-    # is still right, only one more norm.
-    lo = 0
-    for hi in range(1, len(grads) + 1):
-        if hi == len(grads) or keys[hi] is not keys[lo]:
-            flats = groups[reduced_by[id(keys[lo])]]
-            flats.extend(run.flat for run in flat_runs(grads[lo:hi]))
-            lo = hi
+    groups: _Groups = {}  # in the order keys first appear
+    for lo, hi in itertools.pairwise(bounds):
+        key = keys[lo]
+        where_by = reduced_by.get(id(key))
+        if where_by is None:
+            where, axes = key
+            over: tuple[dist.ProcessGroup, ...] = ()
+            if isinstance(where, DeviceMesh):
+                over = tuple(where.get_group(axis) for axis in axes)
+            where_by = reduced_by[id(key)] = (grads[lo].device, over)
+        # Runs of adjacent pieces within the stretch. In the parameters' order: `fully_shard`
+        # lays a group's parameters out in that order, and a run that order cuts is still
+        # right, only one more norm.
+        groups.setdefault(where_by, []).extend(run.flat for run in flat_runs(grads[lo:hi]))
     return groups
 
 
