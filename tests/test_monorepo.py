@@ -1,5 +1,6 @@
 """Repository-wide rules (docs/architecture.md), checked on every package's metadata."""
 
+import ast
 import importlib.metadata
 import pathlib
 import re
@@ -46,8 +47,28 @@ def test_package_layout_and_dependencies(row, entry) -> None:
             assert re.search(r">=\d", requirement), f"{dist}: pin {requirement} with a range"
     allowed = set(DISTRIBUTIONS[:row])
     assert set(siblings) <= allowed, f"{dist} depends upward: {set(siblings) - allowed}"
+    imported = _imported_siblings(base / "src" / module) - {dist}
+    assert set(siblings) == imported, (
+        f"{dist} declares {sorted(siblings)} but its source imports {sorted(imported)}"
+    )
     if module == "shard_planner":
         assert project.get("dependencies", []) == [], "shard-planner has no dependencies"
+
+
+def _imported_siblings(source: pathlib.Path) -> set[str]:
+    """The distributions of the table whose modules `source`'s files import, anywhere in them."""
+    by_module = {module: dist for _, dist, module in TABLE}
+    found = set()
+    for path in source.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            found |= {by_module[n.split(".")[0]] for n in names if n.split(".")[0] in by_module}
+    return found
 
 
 @pytest.mark.parametrize(("folder", "dist", "module"), TABLE, ids=DISTRIBUTIONS)
