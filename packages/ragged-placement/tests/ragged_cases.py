@@ -565,7 +565,7 @@ def check_foreach_on_locals(units: tuple[int, ...]) -> None:
     """Elementwise foreach ops on RaggedShard lists of one layout per entry run on the local
     tensors (no DTensor dispatch per entry) and equal the ops on the full tensors; every
     other call goes through DTensor's dispatch and is right too."""
-    from ragged_placement import _compat
+    from ragged_placement._compat import _patches
 
     mesh = _mesh()
     rows = sum(units)
@@ -579,13 +579,13 @@ def check_foreach_on_locals(units: tuple[int, ...]) -> None:
         ]
 
     fallbacks: list[object] = []
-    dispatch = _compat.dispatch_without_handler
+    dispatch = _patches.dispatch_without_handler
 
     def counting(op: Any, args: Any, kwargs: Any) -> object:
         fallbacks.append(op)
         return dispatch(op, args, kwargs)
 
-    _compat.dispatch_without_handler = counting  # what the installed handlers call
+    _patches.dispatch_without_handler = counting  # what the installed handlers call
     try:
         aten = torch.ops.aten
         pos = lambda tag: [d.abs() + 0.1 for d in ragged(tag)]  # noqa: E731
@@ -641,7 +641,7 @@ def check_foreach_on_locals(units: tuple[int, ...]) -> None:
         assert len(fallbacks) == before + 1 and promoted[0].dtype == torch.float32
         torch.testing.assert_close(promoted[0].full_tensor(), torch.arange(2 * rows) + 0.5)
     finally:
-        _compat.dispatch_without_handler = dispatch
+        _patches.dispatch_without_handler = dispatch
 
 
 # -- random fills and full state dicts (model initialisation and loading) ---------------------

@@ -157,15 +157,15 @@ def test_exit_waits_for_gloo_worker_threads(tmp_path) -> None:
         f"""
         import time
         import torch.distributed as dist
-        from ragged_placement import _compat
+        from ragged_placement._compat import _gloo_exit
         # (torch 2.10 leaves gloo's threads unnamed: there the handler always waits.)
-        assert _compat._gloo_threads_alive() != _compat._GLOO_NAMES_ITS_THREADS
+        assert _gloo_exit.gloo_threads_alive() != _gloo_exit.GLOO_NAMES_ITS_THREADS
         dist.init_process_group("gloo", init_method="file://{tmp_path}/rdv", rank=0, world_size=1)
         # The worker threads name themselves some time after they start: wait for it.
         deadline = time.monotonic() + 30
-        while not _compat._gloo_threads_alive() and time.monotonic() < deadline:
+        while not _gloo_exit.gloo_threads_alive() and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert _compat._gloo_threads_alive()
+        assert _gloo_exit.gloo_threads_alive()
         print("ok")
         """
     )

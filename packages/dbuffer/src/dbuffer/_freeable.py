@@ -38,7 +38,7 @@ import os
 
 import torch
 
-from dbuffer._compat import set_version
+from dbuffer._compat import set_version, version_of
 from dbuffer._streams import Stream, current_stream, free_storage
 from dbuffer._views import buffer_views
 
@@ -143,7 +143,7 @@ class FreeableBuffer:
         else:
             return  # nothing to free, nothing to read
         # Saved views fail autograd's version check until the memory is back.
-        self._version = tensor._version
+        self._version = version_of(tensor)
         set_version(tensor, self._version + 1)
 
 

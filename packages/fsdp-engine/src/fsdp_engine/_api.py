@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, Shard
 from dbuffer import DBuffer
 from fsdp_engine._compat import (
     fully_shard_state,
+    mark_fsdp_managed,
     parameter_slots,
     placement_result,
     set_fully_shard_state,
@@ -181,12 +182,7 @@ def fully_shard(
     state.spmd_typed = found.spmd_typed
     for mod in modules:
         _install(mod, state)
-        # What torch's fully_shard marks on the modules it manages: transformers reads it
-        # (`is_fsdp_managed_module`: then `generate` keeps every rank stepping until all are
-        # done), dynamo treats those modules' parameters as changing inputs.
-        for sub in mod.modules():
-            sub._is_fsdp_managed_module = True  # type: ignore[assignment]
-            sub._fsdp_use_orig_params = True  # type: ignore[assignment]
+        mark_fsdp_managed(mod)  # as torch's fully_shard does (transformers and dynamo read it)
     return module
 
 

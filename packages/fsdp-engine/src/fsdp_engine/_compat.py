@@ -42,6 +42,9 @@
   public `device_mesh` / `placements` are Python properties, and `clip_grad_norm_` asks
   every gradient every step. It remembers each spec's key by the spec's identity (a
   DBuffer hands out the same spec objects every step).
+- `mark_fsdp_managed(module)`: the private marks torch's `fully_shard` sets on the modules
+  it manages (`_is_fsdp_managed_module`, `_fsdp_use_orig_params`), which transformers and
+  dynamo read.
 - `flatten_axes(mesh, names)`: `DeviceMesh._flatten`, the one way to make one axis of several
   named ones (`DataParallelMeshDims(shard=("dp_shard", "cp"))`).
 Tested on the torch versions `ragged_placement.SUPPORTED_TORCH` names; others are refused at
@@ -79,6 +82,7 @@ __all__ = [
     "fully_shard_state",
     "in_backward",
     "map_tensors",
+    "mark_fsdp_managed",
     "parameter_slots",
     "placement_result",
     "post_accumulate_grad_hooks",
@@ -229,6 +233,18 @@ def post_accumulate_grad_hooks(
 
 # A getset descriptor of every tensor: None until a hook is registered.
 _POST_ACCUMULATE_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
+
+
+def mark_fsdp_managed(module: nn.Module) -> None:
+    """Sets the private marks torch's `fully_shard` puts on every module it manages.
+
+    transformers reads `_is_fsdp_managed_module` (`is_fsdp_managed_module`: `generate` then
+    keeps every rank stepping until all are done); dynamo treats those modules' parameters as
+    inputs that change between calls.
+    """
+    for sub in module.modules():
+        sub._is_fsdp_managed_module = True  # type: ignore[assignment]
+        sub._fsdp_use_orig_params = True  # type: ignore[assignment]
 
 
 def torch_fsdp_methods() -> list[str]:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ragged_placement._compat import DispatchMode, process_group_from_op_arg
+from ragged_placement._compat import DispatchMode, op_arguments, process_group_from_op_arg
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ def _pick(named: dict[str, Any], *keys: str) -> Any:
 
 
 def _describe(kind: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Collective:
-    named = dict(zip((a.name for a in func._schema.arguments), args, strict=False))
+    named = dict(zip((a.name for a in op_arguments(func)), args, strict=False))
     named.update(kwargs)
     group = _group(named)
     m = group.size() if group is not None else 1

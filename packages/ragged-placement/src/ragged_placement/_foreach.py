@@ -33,7 +33,11 @@ from ragged_placement._compat import (
     OpCall,
     TensorMeta,
     are_we_tracing,
+    dtensor_locals,
+    local_of,
     make_dtensors,
+    op_arguments,
+    specs_of,
 )
 from ragged_placement._ops import is_foreach_elementwise, reduced_spec
 from ragged_placement._placement import RaggedShard, StridedRaggedShard
@@ -72,7 +76,7 @@ def foreach_ops() -> list[Any]:
         packet = getattr(aten, name)
         for overload in packet.overloads():
             op = getattr(packet, overload)
-            arguments = op._schema.arguments
+            arguments = op_arguments(op)
             takes_list = bool(arguments) and str(arguments[0].type) == "List[Tensor]"
             if takes_list and is_foreach_elementwise(op):
                 ops.append(op)
@@ -192,7 +196,7 @@ def _local_args(
         return None
     if not {t.__class__ for t in first} <= {DTensor}:
         return None
-    specs: list[DTensorSpec] = [t._spec for t in first]
+    specs = specs_of(first)
     placements = [spec.placements for spec in specs]
     unseen = set(map(id, placements)) - _SEEN.placements
     if unseen:
@@ -202,7 +206,7 @@ def _local_args(
                     return None
                 _SEEN.keep(entry)
                 _SEEN.placements.add(id(entry))
-    local_args: list[Any] = [[t._local_tensor for t in first]]
+    local_args: list[Any] = [dtensor_locals(first)]
     for arg in args[1:]:
         local = _local_arg(arg, specs, fused)
         if local is _REFUSED:
@@ -227,12 +231,12 @@ def _local_arg(arg: Any, specs: list[DTensorSpec], fused: bool = False) -> Any:
         return arg  # step counts (one 0-d tensor per parameter), an empty list, grad_scale
     if isinstance(arg, DTensor):  # a tensor scalar: fine if every rank holds the same one
         replicated = arg.dim() == 0 and all(isinstance(p, Replicate) for p in arg.placements)
-        return arg._local_tensor if replicated else _REFUSED
+        return local_of(arg) if replicated else _REFUSED
     if not isinstance(arg, list | tuple) or len(arg) != len(specs):
         return _REFUSED
     if not {t.__class__ for t in arg} <= {DTensor}:
         return arg if {v.__class__ for v in arg} <= _NUMBER_CLASSES else _REFUSED
-    others: list[DTensorSpec] = [t._spec for t in arg]
+    others = specs_of(arg)
     if not all(map(operator.is_, others, specs)):
         pairs = set(zip(map(id, others), map(id, specs), strict=True)) - _SEEN.equal
         if pairs:
@@ -242,7 +246,7 @@ def _local_arg(arg: Any, specs: list[DTensorSpec], fused: bool = False) -> Any:
                         return _REFUSED
                     _SEEN.keep(other, spec)
                     _SEEN.equal.add((id(other), id(spec)))
-    return [t._local_tensor for t in arg]
+    return dtensor_locals(arg)
 
 
 def _plain_scalars(arg: Any, length: int) -> bool:

@@ -40,12 +40,14 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from ragged_placement._compat import (
     DTensorSpec,
+    OpOverload,
     OpSchema,
     OutputSharding,
     TensorMeta,
     WeightedMeanPartial,
     dtensor_random_ops,
     norm_partial,
+    op_arguments,
 )
 from ragged_placement._placement import RaggedShard, StridedRaggedShard, chunk_range
 from ragged_placement._view_ops import VIEWS, keeps_shard, propagate_view
@@ -124,11 +126,11 @@ def schema_has_ragged(op_schema: OpSchema) -> bool:
     return False
 
 
-def _is_elementwise(op: torch._ops.OpOverload) -> bool:
+def _is_elementwise(op: OpOverload) -> bool:
     return torch.Tag.pointwise in op.tags or op in _ELEMENTWISE_EXTRA
 
 
-def is_foreach_elementwise(op: torch._ops.OpOverload) -> bool:
+def is_foreach_elementwise(op: OpOverload) -> bool:
     """Whether `op` is a `_foreach_*` op whose per-entry op is elementwise."""
     name = op.__name__  # e.g. "_foreach_add_.Scalar"
     if not name.startswith("_foreach_"):
@@ -141,7 +143,7 @@ def is_foreach_elementwise(op: torch._ops.OpOverload) -> bool:
     return any(_is_elementwise(getattr(base, o)) for o in base.overloads())
 
 
-def is_columnwise(op: torch._ops.OpOverload) -> bool:
+def is_columnwise(op: OpOverload) -> bool:
     """Whether a foreach op decides each list entry on its own (elementwise, `_foreach_norm`)."""
     return op is aten._foreach_norm.Scalar or is_foreach_elementwise(op)
 
@@ -171,8 +173,9 @@ def _align_operand(arg: object, ref: DTensorSpec, op: object) -> object:
     return DTensorSpec(ref.mesh, ref.placements, tensor_meta=arg.tensor_meta)
 
 
-def _writes_first_arg(op: torch._ops.OpOverload) -> bool:
-    first = op._schema.arguments[0] if op._schema.arguments else None
+def _writes_first_arg(op: OpOverload) -> bool:
+    arguments = op_arguments(op)
+    first = arguments[0] if arguments else None
     return first is not None and first.alias_info is not None and first.alias_info.is_write
 
 
