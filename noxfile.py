@@ -106,7 +106,7 @@ def planner(session: nox.Session) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    """Run mypy --strict on each package's src/, one package at a time, against torch 2.13.0."""
+    """mypy --strict on each package's src/ (one at a time), examples/ and tools/ (torch 2.13)."""
     _install_members(session, TORCH_DEFAULT)
     session.install("mypy>=1.10")
     # One package per run (each must type-check on its own), one cache for all of them: torch
@@ -114,6 +114,8 @@ def typecheck(session: nox.Session) -> None:
     for folder in PACKAGES:
         source = ROOT / "packages" / folder / "src"
         session.run("mypy", "--cache-dir", str(ROOT / ".mypy_cache"), str(source))
+    # The scripts users run (and the benchmarks they import), strict too.
+    session.run("mypy", "--cache-dir", str(ROOT / ".mypy_cache"), "examples", "tools")
 
 
 @nox.session

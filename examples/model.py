@@ -6,6 +6,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -72,7 +73,8 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         q, k = rotary(q), rotary(k)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(b, s, heads * self.head_dim))
+        projected: torch.Tensor = self.wo(out.transpose(1, 2).reshape(b, s, heads * self.head_dim))
+        return projected
 
 
 class SwiGLU(nn.Module):
@@ -86,7 +88,8 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Applies the MLP."""
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        out: torch.Tensor = self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return out
 
 
 def _dispatch(
@@ -186,7 +189,8 @@ class MoE(nn.Module):
         else:
             chosen = self.forced_choice
             weights = probs.gather(1, chosen)
-        return self.experts(flat, chosen, weights).view_as(x)
+        mixed: torch.Tensor = self.experts(flat, chosen, weights)
+        return mixed.view_as(x)
 
 
 class Block(nn.Module):
@@ -202,7 +206,8 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Attention then MLP, each with a residual."""
         x = x + self.attn(self.attn_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
+        mlp_out: torch.Tensor = self.mlp(self.mlp_norm(x))
+        return x + mlp_out
 
 
 class Decoder(nn.Module):
@@ -220,12 +225,18 @@ class Decoder(nn.Module):
             if p.dim() > 1:
                 nn.init.normal_(p, std=1 / math.sqrt(p.shape[-1]))
 
+    @property
+    def blocks(self) -> list[Block]:
+        """The blocks of `layers`, typed as such (a ModuleList yields plain modules)."""
+        return [cast(Block, layer) for layer in self.layers]
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits of (batch, seq) token ids."""
         x = self.embed(tokens)
         for layer in self.layers:
             x = layer(x)
-        return self.head(self.norm(x))
+        logits: torch.Tensor = self.head(self.norm(x))
+        return logits
 
 
 def loss_fn(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

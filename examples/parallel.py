@@ -18,12 +18,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from model import Decoder, ExpertList, GroupedExperts, MoE
+from model import Decoder, ExpertList, GroupedExperts, MoE, SwiGLU
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     RowwiseParallel,
     parallelize_module,
 )
@@ -32,11 +33,14 @@ from torch.distributed.tensor.parallel import (
 def tensor_parallel(model: Decoder, tp_mesh: DeviceMesh) -> None:
     """Shards every block's attention and dense MLP over `tp_mesh` (Megatron style)."""
     size = tp_mesh.size()
-    for index, block in enumerate(model.layers):
-        if isinstance(block.mlp, MoE):
+    for index, block in enumerate(model.blocks):
+        mlp = block.mlp
+        if not isinstance(mlp, SwiGLU):
             raise ValueError("tensor_parallel shards dense MLPs; use expert_parallel for MoE")
-        heads, hidden = block.attn.num_heads, block.mlp.w1.out_features
-        plan = {name: ColwiseParallel() for name in ("attn.wqkv", "mlp.w1", "mlp.w3")}
+        heads, hidden = block.attn.num_heads, mlp.w1.out_features
+        plan: dict[str, ParallelStyle] = {
+            name: ColwiseParallel() for name in ("attn.wqkv", "mlp.w1", "mlp.w3")
+        }
         plan.update({name: RowwiseParallel() for name in ("attn.wo", "mlp.w2")})
         if heads % size or hidden % size:
             raise ValueError(
@@ -53,12 +57,12 @@ def expert_parallel(model: Decoder, ep_mesh: DeviceMesh) -> None:
     rank's modules. Each MoE then sees the tokens of the whole ep group.
     """
     size, rank, group = ep_mesh.size(), ep_mesh.get_local_rank(), ep_mesh.get_group()
-    for index, block in enumerate(model.layers):
+    for index, block in enumerate(model.blocks):
         moe = block.mlp
         if not isinstance(moe, MoE):
             raise ValueError("expert_parallel needs MoE blocks (train.py --moe N)")
         experts = moe.experts
-        num_experts = len(experts)  # type: ignore[arg-type]
+        num_experts = len(experts)
         if num_experts % size:
             raise ValueError(
                 f"block {index}: {num_experts} experts do not divide by the expert-parallel "

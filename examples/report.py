@@ -9,9 +9,10 @@ import argparse
 import json
 import pathlib
 import sys
+from collections.abc import Callable
 from typing import Any
 
-ROWS = (
+ROWS: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
     ("final train loss", lambda r: f"{r['train'][-1][1]:.4f}"),
     ("final validation loss", lambda r: f"{r['val'][-1][1]:.4f}"),
     ("unigram entropy (nats/char)", lambda r: f"{r['unigram_entropy']:.4f}"),

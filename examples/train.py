@@ -34,7 +34,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's start/stop lines: errors only
 
@@ -46,7 +46,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 from model import Config, Decoder, loss_fn
 from parallel import expert_parallel, tensor_parallel
-from pipeline import SCHEDULES, decoder_stage, pipeline_schedule
+from pipeline import SCHEDULES, DecoderStage, decoder_stage, pipeline_schedule
 from profiling import engine_copies, peak_live_bytes
 
 from fsdp_engine import clip_grad_norm_
@@ -102,15 +102,20 @@ def build(args: argparse.Namespace, vocab: int, device: torch.device) -> nn.Modu
     mp = MixedPrecisionPolicy()
     if args.mixed_precision == "bf16":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if args.engine == "ours":
-        from fsdp_engine import fully_shard
-    else:
-        from torch.distributed.fsdp import fully_shard  # type: ignore[assignment]
+    import torch.distributed.fsdp as torch_fsdp
+
+    import fsdp_engine
+
+    # Either engine's, with FSDP2's signature.
+    fully_shard: Callable[..., Any] = (
+        fsdp_engine.fully_shard if args.engine == "ours" else torch_fsdp.fully_shard
+    )
     kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": mp}
     if args.optimizer == "adamw8bit":  # whole 32 x 32 quantization blocks on every rank
         # (for the matrices that get 8-bit state: 2-D, at least AdamW8bit's min_8bit_numel)
         kwargs["block_rows"] = lambda fqn, p: 32 if p.dim() == 2 and p.numel() >= 4096 else 1
-    for layer in model.layers.values() if args.pp > 1 else model.layers:
+    layers = cast(Any, model).layers  # a ModuleDict of a pipeline stage's blocks, or a ModuleList
+    for layer in layers.values() if args.pp > 1 else layers:
         if experts_mesh is not None:
             experts = fully_shard(layer.mlp.experts, **{**kwargs, "mesh": experts_mesh})
             # An expert's gradient sums its whole ep group's: divided by every rank, it is
@@ -237,7 +242,12 @@ class Runner:
         self.first = self.last = True
         if self.pp_mesh is not None:
             self.schedule = pipeline_schedule(
-                model, self.pp_mesh, device, args.pp_schedule, args.microbatches, loss_fn
+                cast(DecoderStage, model),
+                self.pp_mesh,
+                device,
+                args.pp_schedule,
+                args.microbatches,
+                loss_fn,
             )
             self.batch_rows = args.global_batch // (dist.get_world_size() // args.pp)
             self.first = self.pp_mesh.get_local_rank() == 0
@@ -247,7 +257,7 @@ class Runner:
         """The loss of `tokens` (next-token), its gradients accumulated into the parameters."""
         if self.schedule is None:
             loss = loss_fn(self.model(tokens), tokens)
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             return loss.detach().float()
         losses: list[torch.Tensor] = []
         self.schedule.step(*self._inputs(tokens), target=self._target(tokens), losses=losses)
@@ -267,10 +277,13 @@ class Runner:
         """The logits of `tokens` (on every pipeline rank), forward only."""
         if self.schedule is None:
             with torch.no_grad():
-                return self.model(tokens)
+                logits: torch.Tensor = self.model(tokens)
+                return logits
         assert self.pp_mesh is not None
         with torch.no_grad():
-            out = self.schedule.eval(*self._inputs(tokens), target=self._target(tokens))
+            out: torch.Tensor = self.schedule.eval(
+                *self._inputs(tokens), target=self._target(tokens)
+            )
         if not self.last:
             out = torch.empty(*tokens.shape, self.vocab, device=tokens.device)
         dist.broadcast(out, self._last_rank(), group=self.pp_mesh.get_group())
@@ -597,7 +610,9 @@ def save(directory: pathlib.Path, model: nn.Module, opt: torch.optim.Optimizer, 
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optim_state = get_state_dict(model, opt)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(directory))
+    dcp.state_dict_saver.save(
+        {"model": model_state, "optim": optim_state}, checkpoint_id=str(directory)
+    )
     if dist.get_rank() == 0:
         (directory / "meta.json").write_text(json.dumps({"step": step}))
     dist.barrier()
@@ -609,9 +624,10 @@ def load(directory: pathlib.Path, model: nn.Module, opt: torch.optim.Optimizer) 
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model_state, optim_state = get_state_dict(model, opt)
-    state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=str(directory))
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    dcp.state_dict_loader.load(
+        {"model": model_state, "optim": optim_state}, checkpoint_id=str(directory)
+    )  # in place
+    set_state_dict(model, opt, model_state_dict=model_state, optim_state_dict=optim_state)
     return int(json.loads((directory / "meta.json").read_text())["step"])
 
 
@@ -680,10 +696,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import tempfile
 
-    import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import spawn
 
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_spawned, args=(world, f"{tmp}/rendezvous", args), nprocs=world)
+        spawn(_spawned, args=(world, f"{tmp}/rendezvous", args), nprocs=world)
     return 0
 
 

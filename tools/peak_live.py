@@ -106,7 +106,7 @@ def _rank(rank: int, world: int, init: str, args: argparse.Namespace) -> None:
 
         def step(model: Any = model, opt: Any = opt, gen: Any = gen) -> None:
             tokens = torch.randint(0, vocab, (args.batch, args.seq), generator=gen)
-            loss_fn(model(tokens), tokens).backward()
+            loss_fn(model(tokens), tokens).backward()  # type: ignore[no-untyped-call]
             opt.step()
             opt.zero_grad()
 

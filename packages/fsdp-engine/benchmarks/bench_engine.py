@@ -13,6 +13,7 @@ runs in one step and their bytes, the bytes all-gathered and reduce-scattered pe
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -22,7 +23,8 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 os.environ.setdefault("KINETO_LOG_LEVEL", "5")
 
@@ -54,16 +56,19 @@ def _build(
     mp_policy = MixedPrecisionPolicy()
     if dtype == "bf16":
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if engine == "ours":
-        from fsdp_engine import fully_shard
-    else:
-        from torch.distributed.fsdp import fully_shard  # type: ignore[assignment]
+    import torch.distributed.fsdp as torch_fsdp
+
+    import fsdp_engine
+
+    fully_shard: Callable[..., Any] = (
+        fsdp_engine.fully_shard if engine == "ours" else torch_fsdp.fully_shard
+    )
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     if engine == "ours" and not backward_prefetch:  # a diagnostic: --no-backward-prefetch
         for module in (*model.layers, model):
-            module.set_modules_to_backward_prefetch([])  # type: ignore[operator]
+            cast(Any, module).set_modules_to_backward_prefetch([])
     if engine == "fsdp2" and MODELS[name].num_experts:
         # Ranks route tokens to different experts; without this FSDP2's reduce-scatters
         # differ in size across ranks ("collective mismatch"). Ours needs no setting.
@@ -108,7 +113,7 @@ def _cpu_floor(name: str, dtype: str, groups: list[Any], batch: int, seq: int) -
 
     def forward_backward() -> None:
         tokens = torch.randint(0, MODELS[name].vocab, (batch, seq), generator=gen)
-        loss_fn(plain(tokens), tokens).backward()
+        loss_fn(plain(tokens), tokens).backward()  # type: ignore[no-untyped-call]
         plain.zero_grad(set_to_none=True)
 
     tensors = []  # `groups`: ours' sharding_summary, the root group first (module order)
@@ -164,7 +169,7 @@ def _case(
     def step(engine: str) -> None:
         model, opt = engines[engine]
         tokens = torch.randint(0, vocab, (batch, seq), generator=gen)
-        loss_fn(model(tokens), tokens).backward()
+        loss_fn(model(tokens), tokens).backward()  # type: ignore[no-untyped-call]
         opt.step()
         opt.zero_grad()
 
@@ -183,8 +188,8 @@ def _case(
         model = engines[engine][0]
         with CommCounter() as counter:
             step(engine)
-        copies = engine_copies(lambda e=engine: step(e))
-        parts = step_breakdown(lambda e=engine: step(e))
+        copies = engine_copies(functools.partial(step, engine))
+        parts = step_breakdown(functools.partial(step, engine))
         result[engine] = {
             "median_step_s": statistics.median(times[engine]),
             "copy_kernels": sum(c.kernels for c in copies.values()),
@@ -215,7 +220,9 @@ def _case(
         # The step before, profiled too: each engine's frees of what it allocated there
         # (FSDP2's last reduce-scatter input, our gradient shards) are then counted.
         result[engine]["peak_live_bytes"] = peak_live_bytes(
-            lambda e=engine: step(e), include_live=True, lead_in=lambda e=engine: step(e)
+            functools.partial(step, engine),
+            include_live=True,
+            lead_in=functools.partial(step, engine),
         )
     result["floor"] = _cpu_floor(name, dtype, groups, batch, seq)
     result["time_ratio"] = result["ours"]["median_step_s"] / result["fsdp2"]["median_step_s"]
