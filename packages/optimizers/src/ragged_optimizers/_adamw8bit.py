@@ -24,7 +24,7 @@ from torch.optim import Optimizer
 from ragged_optimizers._adamw import adamw_step, check_betas, check_nonnegative
 from ragged_optimizers._blockwise import BlockwiseKernel, Fused, KernelPath, step_scalars
 from ragged_optimizers._closure import closure_loss
-from ragged_optimizers._layout import Layout, layout_of, local_flat
+from ragged_optimizers._layout import ParamLayout, layout_of, local_flat
 from ragged_optimizers._runs import GroupRuns, Run, Segment
 from ragged_placement import RaggedShard
 
@@ -97,7 +97,7 @@ class AdamW8bit(Optimizer):
             "block_size": block_size,
             "min_8bit_numel": min_8bit_numel,
         }
-        self._layouts: dict[int, Layout] = {}
+        self._layouts: dict[int, ParamLayout] = {}
         self._param_names: dict[int, str] = {}
         self._runs: dict[int, GroupRuns] = {}  # by id of the param group
         super().__init__(params, defaults)
@@ -154,7 +154,7 @@ class AdamW8bit(Optimizer):
             self._group_runs(group)
 
     @staticmethod
-    def _is_8bit(layout: Layout, group: dict[str, Any]) -> bool:
+    def _is_8bit(layout: ParamLayout, group: dict[str, Any]) -> bool:
         return len(layout.full_shape) == 2 and layout.full_numel >= group["min_8bit_numel"]
 
     def _name(self, param: torch.Tensor) -> str:
@@ -361,7 +361,7 @@ def _fp32_state_update(
         local.copy_(work)
 
 
-def _block_rows(layout: Layout, block: tuple[int, int], name: str) -> list[tuple[int, int]]:
+def _block_rows(layout: ParamLayout, block: tuple[int, int], name: str) -> list[tuple[int, int]]:
     """Every rank's [first, end) block row; a ValueError when a piece cuts a block."""
     cols = layout.shape[1]
     if layout.global_shape is not None:  # tensor parallel: blocks must tile each tp piece
@@ -391,7 +391,7 @@ def _block_rows(layout: Layout, block: tuple[int, int], name: str) -> list[tuple
 
 def _wrap_grid(
     scales: torch.Tensor,
-    layout: Layout,
+    layout: ParamLayout,
     like: torch.Tensor,
     rows: list[tuple[int, int]],
     grid_cols: int,

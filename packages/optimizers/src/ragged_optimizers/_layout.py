@@ -27,7 +27,7 @@ from ragged_placement import RaggedShard, chunk_range
 
 
 @dataclass(frozen=True)
-class Layout:
+class ParamLayout:
     """One parameter's global shape and every rank's flat range along its shard axis.
 
     Attributes:
@@ -158,7 +158,7 @@ class Layout:
         )
 
 
-def layout_of(tensor: torch.Tensor, what: str = "parameter") -> Layout:
+def layout_of(tensor: torch.Tensor, what: str = "parameter") -> ParamLayout:
     """The layout of a plain tensor or of a DTensor sharded along at most one mesh axis.
 
     Args:
@@ -168,7 +168,7 @@ def layout_of(tensor: torch.Tensor, what: str = "parameter") -> Layout:
         what: How to name the tensor in errors.
 
     Returns:
-        Its Layout.
+        Its ParamLayout.
 
     Example:
         >>> layout_of(torch.zeros(4, 3)).ranges
@@ -177,11 +177,11 @@ def layout_of(tensor: torch.Tensor, what: str = "parameter") -> Layout:
     shape = tuple(tensor.shape)
     numel = math.prod(shape)
     if not isinstance(tensor, DTensor):
-        return Layout(shape, ((0, numel),))
+        return ParamLayout(shape, ((0, numel),))
     mesh, placements = tensor.device_mesh, tuple(tensor.placements)
     sharded = [(a, p) for a, p in enumerate(placements) if not isinstance(p, Replicate)]
     if not sharded:
-        return Layout(shape, ((0, numel),), 0, mesh, placements)
+        return ParamLayout(shape, ((0, numel),), 0, mesh, placements)
     ragged_axes = [a for a, p in sharded if isinstance(p, RaggedShard)]
     others = [(a, p) for a, p in sharded if not isinstance(p, RaggedShard)]
     if len(ragged_axes) == 1 and others and all(type(p) is Shard for _, p in others):
@@ -191,7 +191,7 @@ def layout_of(tensor: torch.Tensor, what: str = "parameter") -> Layout:
         block = _block_shape(shape, mesh, others, what, placements)
         ranges = ragged.flat_ranges(block, mesh.size(ragged_axis))
         rank = mesh.get_local_rank(ragged_axis)
-        return Layout(block, ranges, rank, mesh, placements, ragged_axis, global_shape=shape)
+        return ParamLayout(block, ranges, rank, mesh, placements, ragged_axis, global_shape=shape)
     axis, placement = sharded[0]
     ok = isinstance(placement, RaggedShard) or placement == Shard(0)
     if len(sharded) > 1 or not ok:
@@ -207,7 +207,7 @@ def layout_of(tensor: torch.Tensor, what: str = "parameter") -> Layout:
         row = math.prod(shape[1:])
         rows = (chunk_range(shape[0], num_ranks, i) for i in range(num_ranks))
         ranges = tuple((lo * row, hi * row) for lo, hi in rows)
-    return Layout(shape, ranges, mesh.get_local_rank(axis), mesh, placements, axis)
+    return ParamLayout(shape, ranges, mesh.get_local_rank(axis), mesh, placements, axis)
 
 
 def _block_shape(

@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 
 from ragged_optimizers._adamw import adamw_step, check_betas, check_nonnegative
 from ragged_optimizers._closure import closure_loss
-from ragged_optimizers._layout import Layout, layout_of, local_flat
+from ragged_optimizers._layout import ParamLayout, layout_of, local_flat
 from ragged_optimizers._newton_schulz import newton_schulz, resolve_coefficients
 from ragged_optimizers._owner_plan import MatrixAssignment, ns_flops, plan_owners
 
@@ -70,7 +70,7 @@ class _Item:
 
     param: torch.Tensor
     name: str
-    layout: Layout
+    layout: ParamLayout
     update: torch.Tensor  # this rank's piece of the momentum-updated matrix, in bfloat16
     group: dict[str, Any]
 
@@ -83,7 +83,7 @@ class _Unit:
     owner: int = 0
 
     @property
-    def layout(self) -> Layout:
+    def layout(self) -> ParamLayout:
         return self.items[0].layout
 
     @property
@@ -185,7 +185,7 @@ class Muon(Optimizer):
                 raise ValueError(f"{key} must be an int >= 1, got {value!r}")
         self._bucket_bytes = bucket_bytes
         self._ns_batch_numel = ns_batch_numel
-        self._layouts: dict[int, Layout] = {}
+        self._layouts: dict[int, ParamLayout] = {}
         self._param_names: dict[int, str] = {}
         defaults = {
             "lr": lr,
@@ -247,7 +247,7 @@ class Muon(Optimizer):
     def _names(self, group: dict[str, Any]) -> list[str]:
         return [self._param_names[id(param)] for param in group["params"]]
 
-    def _layout(self, param: torch.Tensor, name: str) -> Layout:
+    def _layout(self, param: torch.Tensor, name: str) -> ParamLayout:
         layout = self._layouts.get(id(param))
         if layout is None:
             layout = self._layouts[id(param)] = layout_of(param, name)
@@ -373,7 +373,7 @@ class Muon(Optimizer):
         return self._momenta([item])[0]
 
     def _orthogonalize(
-        self, update: torch.Tensor, layout: Layout, group: dict[str, Any]
+        self, update: torch.Tensor, layout: ParamLayout, group: dict[str, Any]
     ) -> torch.Tensor:
         coefficients, norm_scale = resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
         # Under tensor parallelism `update` is this rank's block: every rank holding a block
@@ -395,7 +395,7 @@ class Muon(Optimizer):
         return list(layout.take_blocks(out.reshape(len(fulls), -1)).unbind())
 
     def _apply(
-        self, param: torch.Tensor, layout: Layout, update: torch.Tensor, group: dict[str, Any]
+        self, param: torch.Tensor, layout: ParamLayout, update: torch.Tensor, group: dict[str, Any]
     ) -> None:
         """`_apply_unit` of one parameter (for callers that go matrix by matrix)."""
         self._apply_unit(_Unit([_Item(param, "", layout, torch.empty(0), group)]), [update])
