@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -75,7 +75,8 @@ class GradientReductionHandle(TorchGradientReductionHandle):
             wait()
 
 
-def state_of(module: nn.Module) -> FSDPState:
+def state_of(module: object) -> FSDPState:
+    """The engine's state of an FSDPModule (the mixin's `self` too), or a ValueError."""
     state = getattr(module, STATE_ATTR, None)
     if not isinstance(state, FSDPState):
         raise ValueError(
@@ -90,7 +91,7 @@ def _configure(module: object, recurse: bool, **changes: Any) -> None:
 
     `recurse`: every FSDP state in the module's subtree, else the module's own.
     """
-    states = states_under([module]) if recurse else [state_of(module)]  # type: ignore[arg-type, list-item]
+    states = states_under([cast(nn.Module, module)]) if recurse else [state_of(module)]
     for state in states:
         state.config = dataclasses.replace(state.config, **changes)
 
@@ -151,7 +152,7 @@ class FSDPModule(ApplyOverride, TorchFSDPModule):
             >>> isinstance(weight, torch.nn.Parameter), hasattr(weight, "placements")
             (True, False)
         """
-        state = state_of(self)  # type: ignore[arg-type]
+        state = state_of(self)
         _check_bool("async_op", async_op)
         handle = UnshardHandle(state)
         if state.group is not None:
@@ -163,13 +164,13 @@ class FSDPModule(ApplyOverride, TorchFSDPModule):
 
     def reshard(self) -> None:
         """Frees this module's gathered parameters (not recursive)."""
-        state = state_of(self)  # type: ignore[arg-type]
+        state = state_of(self)
         if state.group is not None:
             state.group.reshard()
 
     def reset_iter_state(self) -> None:
         """Forgets the iteration in progress (after an exception mid-iteration); root only."""
-        state = state_of(self)  # type: ignore[arg-type]
+        state = state_of(self)
         if state.context is not None:
             state.context.reset()
 
@@ -180,7 +181,7 @@ class FSDPModule(ApplyOverride, TorchFSDPModule):
 
         Manual finalization (`set_manual_backward_finalization`) supersedes it.
         """
-        state = state_of(self)  # type: ignore[arg-type]
+        state = state_of(self)
         value = _check_bool("is_last_backward", is_last_backward)
         state.set_context_setting("is_last_backward", value)
 
@@ -300,7 +301,7 @@ class FSDPModule(ApplyOverride, TorchFSDPModule):
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """The root's next forward waits for `event` (CUDA) instead of the current stream."""
-        state = state_of(self)  # type: ignore[arg-type]
+        state = state_of(self)
         if not hasattr(event, "wait") and not hasattr(event, "query"):
             raise TypeError(f"event must be a torch.Event or torch.cuda.Event, got {event!r}")
         state.set_context_setting("post_optim_event", event)
@@ -373,7 +374,7 @@ class FSDPModule(ApplyOverride, TorchFSDPModule):
             >>> model.set_requires_gradient_sync(True)
             >>> model.finalize_backward()  # one reduce of both micro-batches' gradients
         """
-        state = state_of(self)  # type: ignore[arg-type]
+        state = state_of(self)
         value = _check_bool("enabled", enabled)
         context = state.context
         if context is None:
@@ -404,7 +405,7 @@ class FSDPModule(ApplyOverride, TorchFSDPModule):
         Returns:
             The handle if `async_op`, else None (the gradients are handed out).
         """
-        state = state_of(self)  # type: ignore[arg-type]
+        state = state_of(self)
         _check_bool("async_op", async_op)
         context = state.context
         wait = context.finalize() if context is not None else None
@@ -462,7 +463,7 @@ def _prefetch_states(modules: object) -> tuple[FSDPState, ...]:
                 f"prefetch targets must be FSDPModules (fully_shard them first); got "
                 f"{type(module).__name__}"
             )
-        states.append(state_of(module))  # type: ignore[arg-type]
+        states.append(state_of(module))
     return tuple(states)
 
 
