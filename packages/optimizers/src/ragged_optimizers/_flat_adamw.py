@@ -199,6 +199,9 @@ class AdamW(Optimizer):
         With `set_to_none` (the default) each `.grad` is set to None without reading it
         first: torch's reads each one (a DTensor's `.grad` costs ~0.4 us), a third of the
         optimizer's own host work on a model of many small parameters.
+
+        Args:
+            set_to_none: Set each `.grad` to None (else zero it in place, as torch does).
         """
         if not set_to_none:
             super().zero_grad(set_to_none=False)
