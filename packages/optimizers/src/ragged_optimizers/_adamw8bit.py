@@ -13,19 +13,18 @@ ranks.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
-from torch.optim import Optimizer
 
 from ragged_optimizers._adamw import adamw_step, check_betas, check_nonnegative
 from ragged_optimizers._blockwise import BlockwiseKernel, Fused, KernelPath, step_scalars
-from ragged_optimizers._closure import closure_loss
 from ragged_optimizers._layout import ParamLayout, layout_of, local_flat
 from ragged_optimizers._runs import GroupRuns, Run, Segment
+from ragged_optimizers._step import StepOptimizer
 from ragged_placement import RaggedShard
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -39,7 +38,7 @@ def _check_block(block_size: object) -> tuple[int, int]:
     raise ValueError(f"block_size must be a pair of ints >= 1, got {block_size!r}")
 
 
-class AdamW8bit(Optimizer):
+class AdamW8bit(StepOptimizer):
     """AdamW whose moments are stored in 8 bits per element plus a float32 scale per block.
 
     Works on plain tensors, RaggedShard DTensors (cut at multiples of `block_size[0]` rows:
@@ -185,23 +184,13 @@ class AdamW8bit(Optimizer):
         lo, hi = first.local_range
         return cols != second.shape[-1] or (hi - lo) % (group["block_size"][0] * cols) != 0
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Performs one optimization step.
-
-        Args:
-            closure: Re-evaluates the model and returns the loss (optional).
-
-        Returns:
-            The closure's loss, or None.
-        """
-        loss = closure_loss(closure)
+    def _step(self) -> None:
+        """One step on the current gradients (`step` runs the closure first, then this)."""
         scalars: dict[Any, torch.Tensor] = {}  # one tensor per distinct step and settings
         for group in self.param_groups:
             for segment in self._group_runs(group).segments():
                 self._update(segment, group, scalars)
                 segment.run.advance(segment.lo, segment.hi)
-        return loss
 
     def _update(
         self, segment: Segment, group: dict[str, Any], scalars: dict[Any, torch.Tensor]

@@ -18,16 +18,15 @@ torch's into this.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.optim import Optimizer
 from torch.optim.adamw import adamw
 
 from ragged_optimizers._adamw import check_betas, check_nonnegative
-from ragged_optimizers._closure import closure_loss
 from ragged_optimizers._runs import GroupRuns, Run, Segment
+from ragged_optimizers._step import StepOptimizer
 from ragged_placement import local_pieces
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -44,7 +43,7 @@ def _torch_adamw_defaults() -> dict[str, Any]:
     return dict(torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).defaults)
 
 
-class AdamW(Optimizer):
+class AdamW(StepOptimizer):
     """torch.optim.AdamW, stepping each run of adjacent parameter pieces as one tensor.
 
     Same signature, defaults and results as `torch.optim.AdamW` (param groups with their own
@@ -193,39 +192,12 @@ class AdamW(Optimizer):
                 if key in st:
                     st[key] = run.exposed(i, run.state[key])
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Resets the gradients, as torch's `Optimizer.zero_grad`.
-
-        With `set_to_none` (the default) each `.grad` is set to None without reading it
-        first: torch's reads each one (a DTensor's `.grad` costs ~0.4 us), a third of the
-        optimizer's own host work on a model of many small parameters.
-
-        Args:
-            set_to_none: Set each `.grad` to None (else zero it in place, as torch does).
-        """
-        if not set_to_none:
-            super().zero_grad(set_to_none=False)
-            return
-        for group in self.param_groups:
-            for param in group["params"]:
-                param.grad = None
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Performs one optimization step.
-
-        Args:
-            closure: Re-evaluates the model and returns the loss (optional).
-
-        Returns:
-            The closure's loss, or None.
-        """
-        loss = closure_loss(closure)
+    def _step(self) -> None:
+        """One step on the current gradients (`step` runs the closure first, then this)."""
         for group in self.param_groups:
             segments = self._group_runs(group).segments()
             if segments:
                 self._step_group(group, segments)
-        return loss
 
     def _step_group(self, group: dict[str, Any], segments: list[Segment]) -> None:
         amsgrad, fused = group["amsgrad"], bool(group["fused"])

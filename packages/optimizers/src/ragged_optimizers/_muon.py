@@ -19,19 +19,18 @@ each matrix the owner lacks, once in each direction.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.optim import Optimizer
 
 from ragged_optimizers._adamw import adamw_step, check_betas, check_nonnegative
-from ragged_optimizers._closure import closure_loss
 from ragged_optimizers._layout import ParamLayout, layout_of, local_flat
 from ragged_optimizers._newton_schulz import newton_schulz, resolve_coefficients
 from ragged_optimizers._owner_plan import MatrixAssignment, ns_flops, plan_owners
+from ragged_optimizers._step import StepOptimizer
 
 ADJUST_LR = ("original", "match_rms_adamw")
 _COMM_DTYPE = torch.bfloat16
@@ -109,7 +108,7 @@ class _Unit:
         return sum(hi - lo for lo, hi in (item.layout.ranges[rank] for item in self.items))
 
 
-class Muon(Optimizer):
+class Muon(StepOptimizer):
     """Muon (momentum orthogonalized by Newton-Schulz) with AdamW groups, on sharded parameters.
 
     Parameters may be plain tensors (one process), RaggedShard DTensors (DBuffer, fsdp_engine)
@@ -298,17 +297,8 @@ class Muon(Optimizer):
 
     # -- the step -----------------------------------------------------------------------------
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Performs one optimization step.
-
-        Args:
-            closure: Re-evaluates the model and returns the loss (optional).
-
-        Returns:
-            The closure's loss, or None.
-        """
-        loss = closure_loss(closure)
+    def _step(self) -> None:
+        """One step on the current gradients (`step` runs the closure first, then this)."""
         sharded: list[_Item] = []
         local: list[_Item] = []
         for group in self.param_groups:
@@ -331,7 +321,6 @@ class Muon(Optimizer):
                 for item, update in zip(members, self._momenta(members), strict=True):
                     item.update = update.to(_COMM_DTYPE)
                 self._exchange(_units(members, self._ns_batch_numel))
-        return loss
 
     def _momenta(self, items: list[_Item]) -> list[torch.Tensor]:
         """Updates the momentum of each item's local piece; returns what to orthogonalize.
