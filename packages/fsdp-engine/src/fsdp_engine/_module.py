@@ -183,7 +183,7 @@ class FSDPModule(ApplyOverride, TorchFSDPModule):
         """
         state = state_of(self)
         value = _check_bool("is_last_backward", is_last_backward)
-        state.set_context_setting("is_last_backward", value)
+        state.change_settings(lambda s: dataclasses.replace(s, is_last_backward=value))
 
     def set_requires_gradient_sync(
         self, requires_gradient_sync: bool, *, recurse: bool = True
@@ -304,7 +304,7 @@ class FSDPModule(ApplyOverride, TorchFSDPModule):
         state = state_of(self)
         if not hasattr(event, "wait") and not hasattr(event, "query"):
             raise TypeError(f"event must be a torch.Event or torch.cuda.Event, got {event!r}")
-        state.set_context_setting("post_optim_event", event)
+        state.change_settings(lambda s: dataclasses.replace(s, post_optim_event=event))
 
     # -- not supported ------------------------------------------------------------------------
 
@@ -378,19 +378,20 @@ class FSDPModule(ApplyOverride, TorchFSDPModule):
         value = _check_bool("enabled", enabled)
         context = state.context
         if context is None:
-            state.set_context_setting("manual_finalization", value)
+            state.change_settings(lambda s: dataclasses.replace(s, manual_finalization=value))
             return
         if not state.is_root:
             raise RuntimeError(
                 f"set_manual_backward_finalization must be called on the root FSDP module, "
                 f"not on {type(self).__name__}"
             )
-        if value != context.manual_finalization and (context.manual_active or in_backward()):
+        current = context.settings.manual_finalization
+        if value != current and (context.manual_active or in_backward()):
             raise RuntimeError(
                 "set_manual_backward_finalization cannot change mode while a backward "
                 "iteration is open: call finalize_backward() (or reset_iter_state()) first"
             )
-        context.manual_finalization = value
+        context.settings = dataclasses.replace(context.settings, manual_finalization=value)
 
     def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
         """Ends the backward iteration: reduces what is left and hands out the gradients.

@@ -83,6 +83,24 @@ def states_under(modules: Iterable[nn.Module]) -> list[FSDPState]:
     return list(found.values())
 
 
+@dataclass(frozen=True)
+class RootSettings:
+    """What the setters that act on a whole root's tree set (FSDP2 keeps these on the root).
+
+    Attributes:
+        is_last_backward: The next backward waits for its reduces and sets the `.grad`s.
+        post_optim_event: An event the root's next forward waits for (then cleared).
+        manual_finalization: Backward passes keep the iteration open until `finalize`.
+    """
+
+    is_last_backward: bool = True
+    post_optim_event: Any = None
+    manual_finalization: bool = False
+
+
+SettingsChange = Callable[[RootSettings], RootSettings]
+
+
 @dataclass(eq=False)
 class Context:
     """State shared by every FSDP state under one root."""
@@ -99,14 +117,12 @@ class Context:
     # forward last, so at the start of backward it prefetches the last block.
     post_forward_order: list[FSDPState] = field(default_factory=list)
     callback_queued: bool = False
-    is_last_backward: bool = True
+    settings: RootSettings = field(default_factory=RootSettings)
     reducing: list[FSDPState] = field(default_factory=list)
-    post_optim_event: Any = None
     # Manual finalization (torch 2.15's set_manual_backward_finalization): each backward pass
     # runs the post-backward of the groups it reached and keeps the iteration open;
     # `finalize` then reduces what is left and hands the gradients out. `manual_active`:
     # a backward ran in this mode and `finalize` has not yet closed the iteration.
-    manual_finalization: bool = False
     manual_active: bool = False
     finalizing: Callable[[], None] | None = None  # the pending wait of `finalize(async)`
     # The root's forward is under way; its outputs got hooks and no gradient reached them
@@ -179,9 +195,9 @@ class FSDPState:
     config: GroupConfig
     mp_policy: MixedPrecisionPolicy
     context: Context | None = None
-    # Context settings made before there is a context (setters never choose the root): the
-    # context of the tree this state ends up in takes them at lazy init.
-    pending_context_settings: dict[str, Any] = field(default_factory=dict)
+    # Root settings changed before there is a context (setters never choose the root): the
+    # context of the tree this state ends up in applies them at lazy init, in order.
+    pending_settings: list[SettingsChange] = field(default_factory=list)
     is_root: bool = False
     # Some parameter is a plain tensor with spmd_types annotations (`_spmd.py`).
     spmd_typed: bool = False
@@ -253,12 +269,12 @@ class FSDPState:
             )
         self.training_state = new
 
-    def set_context_setting(self, name: str, value: object) -> None:
-        """Sets a Context field now, or at lazy init if there is no context yet."""
+    def change_settings(self, change: SettingsChange) -> None:
+        """Changes the root settings now, or at lazy init if there is no context yet."""
         if self.context is not None:
-            setattr(self.context, name, value)
+            self.context.settings = change(self.context.settings)
         else:
-            self.pending_context_settings[name] = value
+            self.pending_settings.append(change)
 
     # -- lazy initialization ------------------------------------------------------------------
 
@@ -276,9 +292,9 @@ class FSDPState:
         context = Context(states)
         context.spmd_typed = any(state.spmd_typed for state in states)
         for state in [*states, self]:  # the root's own settings last: they win
-            for name, value in state.pending_context_settings.items():
-                setattr(context, name, value)
-            state.pending_context_settings.clear()
+            for change in state.pending_settings:
+                context.settings = change(context.settings)
+            state.pending_settings.clear()
         for state in states:
             state.context = context
             state.is_root = state is self
@@ -352,10 +368,10 @@ class FSDPState:
             # finalize_backward(async_op=True) whose handle was not waited on: its reduces
             # must land before this iteration's gradients.
             context.finalizing()
-        if context.post_optim_event is not None:
+        if context.settings.post_optim_event is not None:
             # The optimizer step recorded this event: the gathers must see its writes.
-            context.post_optim_event.wait()
-            context.post_optim_event = None
+            context.settings.post_optim_event.wait()
+            context.settings = dataclasses.replace(context.settings, post_optim_event=None)
         # Gradient shards nobody holds any more (zero_grad set them to None) go back now,
         # not after this forward and backward (FSDP2 holds none across steps either).
         for state in context.states:
@@ -530,9 +546,9 @@ class FSDPState:
         partial = (
             context.root_output_open
             and context.runs_outside > 0
-            and not context.manual_finalization
+            and not context.settings.manual_finalization
         )
-        manual = context.manual_finalization or partial
+        manual = context.settings.manual_finalization or partial
         context.partial_passes += int(partial)
         with profiler_range("FSDP::end_of_backward"):
             for state in context.states:
@@ -547,7 +563,7 @@ class FSDPState:
                 for state in context.states:
                     state.end_backward_pass()
                 return
-            if context.is_last_backward:
+            if context.settings.is_last_backward:
                 finish_reduces(context.states)
                 context.reducing = []
             context.post_forward_order = []
