@@ -64,10 +64,10 @@ def check_estimate_matches(mode: str, optimizer: str) -> dict[str, Any]:
     world = dist.get_world_size()
     if mode == "hsdp":
         mesh = init_device_mesh("cpu", (2, world // 2))
-        shard_dim, replicate_dim, shards, replicas = 1, 0, world // 2, 2
+        shard_axis, replicate_axis, shards, replicas = 1, 0, world // 2, 2
     else:
         mesh = init_device_mesh("cpu", (world,))
-        shard_dim, replicate_dim, shards, replicas = 0, None, world, 1
+        shard_axis, replicate_axis, shards, replicas = 0, None, world, 1
     block_rows = 32 if optimizer == "adamw8bit" else 1
     groups = parse_model(json.dumps(MODEL)).groups
     est = estimate(
@@ -82,8 +82,8 @@ def check_estimate_matches(mode: str, optimizer: str) -> dict[str, Any]:
         DBuffer(
             [(e.name, torch.randn(e.shape, generator=gen)) for e in g.entries],
             mesh,
-            shard_dim=shard_dim,
-            replicate_dim=replicate_dim,
+            shard_axis=shard_axis,
+            replicate_axis=replicate_axis,
             block_rows=block_rows,
         )
         for g in groups
@@ -113,7 +113,7 @@ def check_estimate_matches(mode: str, optimizer: str) -> dict[str, Any]:
     assert sum(b.local_grad.nbytes for b in buffers) == est.grad_bytes
     with CommCounter() as all_reduces:
         for b in buffers:
-            if b.replicate_dim is not None:
+            if b.replicate_axis is not None:
                 b.all_reduce(op="avg").wait()
     assert all_reduces.bytes_sent == est.all_reduce_bytes
     params = []
@@ -130,6 +130,6 @@ def check_estimate_matches(mode: str, optimizer: str) -> dict[str, Any]:
         for k, v in s.items()
         if k != "step" and isinstance(v, torch.Tensor)
     )
-    shard_rank = mesh.get_local_rank(shard_dim)
+    shard_rank = mesh.get_local_rank(shard_axis)
     assert state == est.optimizer_bytes_by_rank[shard_rank], (state, est.optimizer_bytes_by_rank)
     return {"optimizer_bytes": state, "param_bytes": est.param_bytes}

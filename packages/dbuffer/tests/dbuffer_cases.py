@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from rank_pool import expect_error
@@ -169,7 +170,7 @@ def check_hsdp() -> None:
     mesh = init_device_mesh("cpu", (2, 2))
     rank = dist.get_rank()
     tensors = _tensors(2, "fp32", seed=4)
-    buf = DBuffer(tensors, mesh, shard_dim=1, replicate_dim=0)
+    buf = DBuffer(tensors, mesh, shard_axis=1, replicate_axis=0)
     buf.unshard().wait()
     for name, t in tensors:
         assert torch.equal(buf.full(name), t)
@@ -183,7 +184,7 @@ def check_hsdp() -> None:
     # 4-byte elements and the result lands back in the bf16 gradient.
     from ragged_placement import CommCounter
 
-    bf16 = DBuffer(_tensors(2, "bf16", seed=4), mesh, shard_dim=1, replicate_dim=0)
+    bf16 = DBuffer(_tensors(2, "bf16", seed=4), mesh, shard_axis=1, replicate_axis=0)
     replica = mesh.get_local_rank(0)
     bf16.local_grad.fill_(1.0 if replica == 0 else 3.0)
     with CommCounter() as counter:
@@ -509,7 +510,15 @@ def check_bad_input() -> None:
     meta = torch.empty(2, device="meta")
     expect_error(ValueError, lambda: DBuffer([("a", a), ("m", meta)], mesh), "one device")
     expect_error(ValueError, lambda: DBuffer([], mesh), "at least one")
-    expect_error(ValueError, lambda: DBuffer([("a", a)], mesh, shard_dim=1), "mesh axis")
+    expect_error(ValueError, lambda: DBuffer([("a", a)], mesh, shard_axis=1), "mesh axis")
+    # The former names (mesh axes called dims) still work, with a DeprecationWarning.
+    with pytest.warns(DeprecationWarning, match="use shard_axis"):
+        old = DBuffer([("a", a)], mesh, shard_dim=0)
+    with pytest.warns(DeprecationWarning, match="use shard_axis"):
+        assert old.shard_dim == old.shard_axis == 0
+    expect_error(
+        ValueError, lambda: DBuffer([("a", a)], mesh, shard_dim=0, shard_axis=0), "not both"
+    )
     expect_error(ValueError, lambda: DBuffer([("a", a)], mesh, block_rows={"z": 2}), "['z']")
     expect_error(TypeError, lambda: DBuffer([("a", a)], mesh, block_rows=[2]), "block_rows must be")
     expect_error(ValueError, lambda: DBuffer([("a", a)], mesh, align_bytes=6), "align_bytes")
@@ -649,7 +658,7 @@ def check_training_matches_single_process(optimizer: str, mode: str = "fp32") ->
     world, rank = dist.get_world_size(), dist.get_rank()
     if mode == "hsdp":
         mesh = init_device_mesh("cpu", (2, world // 2))
-        axes = {"shard_dim": 1, "replicate_dim": 0}
+        axes = {"shard_axis": 1, "replicate_axis": 0}
     else:
         mesh = init_device_mesh("cpu", (world,))
         axes = {}

@@ -27,6 +27,7 @@ Memory model (see docs/architecture.md, "DBuffer"):
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
@@ -86,6 +87,18 @@ def _split_plan(
     return sizes, at
 
 
+def _renamed(old: str, old_value: int | None, new: str, new_value: int | None) -> int | None:
+    """`new_value`, or the value given under the deprecated keyword `old` (with a warning)."""
+    if old_value is None:
+        return new_value
+    if new_value is not None:
+        raise ValueError(f"DBuffer: pass {new} only ({old} is its deprecated name), not both")
+    warnings.warn(
+        f"DBuffer({old}=...) is deprecated: use {new} (a mesh axis)", DeprecationWarning, 3
+    )
+    return old_value
+
+
 def _cpu_backend_is_gloo(group: dist.ProcessGroup) -> bool:
     """Whether CPU tensors on `group` go through gloo (alone, or beside a device backend)."""
     backend = str(dist.get_backend(group))
@@ -103,8 +116,8 @@ class DBuffer:
             holds (`full`, gradients and `copy_` have the piece's shape), and `sharded(name)`
             is a DTensor over `mesh`'s axes followed by the tensor's (`_outer.py`).
         mesh: The device mesh (with named axes when a tensor is a DTensor).
-        shard_dim: Mesh axis the buffer is sharded over.
-        replicate_dim: Mesh axis it is replicated over (HSDP), or None.
+        shard_axis: Mesh axis the buffer is sharded over.
+        replicate_axis: Mesh axis it is replicated over (HSDP), or None.
         block_rows: Rows per unshardable block: one int for all, a mapping by name (missing
             names get 1), or a function of (name, shape).
         num_shard_dims: How many leading dims a shard boundary may cut (a row is then
@@ -118,6 +131,8 @@ class DBuffer:
             on when the environment has `DBUFFER_CHECK_FREED=1`. Off, reading a view held
             across a `reshard()` is undefined (as for FSDP2's unsharded parameters), but
             `full()` and autograd's saved views still raise while freed.
+        shard_dim: Deprecated name of `shard_axis` (a mesh axis, not a tensor dim).
+        replicate_dim: Deprecated name of `replicate_axis`.
 
     Example:
         >>> buf = DBuffer([("w", w), ("b", b)], mesh, block_rows={"w": 32})
@@ -131,14 +146,18 @@ class DBuffer:
         tensors: Sequence[tuple[str, torch.Tensor]],
         mesh: DeviceMesh,
         *,
-        shard_dim: int = 0,
-        replicate_dim: int | None = None,
+        shard_axis: int | None = None,
+        replicate_axis: int | None = None,
         block_rows: BlockRows = 1,
         num_shard_dims: int | Mapping[str, int] = 1,
         align_bytes: int = 16,
         layout: Layout | None = None,
         check_freed: bool | None = None,
+        shard_dim: int | None = None,
+        replicate_dim: int | None = None,
     ) -> None:
+        shard_axis = _renamed("shard_dim", shard_dim, "shard_axis", shard_axis)
+        replicate_axis = _renamed("replicate_dim", replicate_dim, "replicate_axis", replicate_axis)
         tensors = list(tensors)
         # DTensor entries (sharded over other axes): the local piece is what gets planned.
         self._outer: dict[str, OuterSpec] = {}
@@ -152,18 +171,20 @@ class DBuffer:
             raise TypeError(f"check_freed must be a bool or None, got {check_freed!r}")
         self.check_freed = check_freed_default() if check_freed is None else check_freed
         self.mesh = mesh
-        self.shard_dim = check_axis("shard_dim", shard_dim, mesh)
-        self.replicate_dim = (
-            None if replicate_dim is None else check_axis("replicate_dim", replicate_dim, mesh)
+        self.shard_axis = check_axis("shard_axis", 0 if shard_axis is None else shard_axis, mesh)
+        self.replicate_axis = (
+            None if replicate_axis is None else check_axis("replicate_axis", replicate_axis, mesh)
         )
-        if self.replicate_dim == self.shard_dim:
-            raise ValueError(f"replicate_dim and shard_dim must differ, both are {shard_dim}")
+        if self.replicate_axis == self.shard_axis:
+            raise ValueError(
+                f"replicate_axis and shard_axis must differ, both are {self.shard_axis}"
+            )
         first = tensors[0][1]
         self.dtype, self.device = first.dtype, first.device
         check_block_rows(block_rows, {name for name, _ in tensors})
         cut_dims = check_num_shard_dims(num_shard_dims, tensors)
         self._shapes = {name: t.shape for name, t in tensors}
-        world = mesh.size(self.shard_dim)
+        world = mesh.size(self.shard_axis)
         specs = [
             TensorSpec.from_shape(
                 name, t.shape, rows_of(block_rows, name, t.shape), num_shard_dims=cut_dims[name]
@@ -178,8 +199,8 @@ class DBuffer:
         align = check_align_bytes(align_bytes, first.element_size())
         self.layout = layout if layout is not None else plan_layout(specs, world, align=align)
         check_layout(self.layout, specs, world)
-        self._rank = mesh.get_local_rank(self.shard_dim)
-        self._group = mesh.get_group(self.shard_dim)
+        self._rank = mesh.get_local_rank(self.shard_axis)
+        self._group = mesh.get_group(self.shard_axis)
         # Gloo's reduce-scatter all-reduces a clone of its input and copies out one chunk; its
         # all-gather gathers into a temporary as large as the output and copies it over.
         # Reducing our own buffer in place, and gathering it with one broadcast per rank into
@@ -216,6 +237,20 @@ class DBuffer:
         self._local_grad: torch.Tensor | None = None
         self._sharded_grads: dict[str, DTensor] = {}
 
+    @property
+    def shard_dim(self) -> int:
+        """Deprecated name of `shard_axis`."""
+        warnings.warn("DBuffer.shard_dim is deprecated: use shard_axis", DeprecationWarning, 2)
+        return self.shard_axis
+
+    @property
+    def replicate_dim(self) -> int | None:
+        """Deprecated name of `replicate_axis`."""
+        warnings.warn(
+            "DBuffer.replicate_dim is deprecated: use replicate_axis", DeprecationWarning, 2
+        )
+        return self.replicate_axis
+
     def _new_grad_buffer(self) -> FullGradBuffer:
         return FullGradBuffer(
             self.layout, self._shapes, self.dtype, self.device, check_freed=self.check_freed
@@ -245,7 +280,7 @@ class DBuffer:
         shape = self._shapes[name]
         if self.layout.spec(name).numel:  # else nothing to shard: replicated (empty) pieces
             unit = self.layout.unit(name)
-            placements[self.shard_dim] = RaggedShard(
+            placements[self.shard_axis] = RaggedShard(
                 cut_dims_for(tuple(shape), unit), self.layout.local_units(name)
             )
         return placements
@@ -709,9 +744,9 @@ class DBuffer:
             raise ValueError(f"op must be one of {sorted(_OPS)}, got {op!r}")
         reduce_dtype = check_dtype("reduce_dtype", reduce_dtype)
         self._wait_reduce()
-        if self.replicate_dim is None or self.mesh.size(self.replicate_dim) == 1:
+        if self.replicate_axis is None or self.mesh.size(self.replicate_axis) == 1:
             return Handle()
-        group = self.mesh.get_group(self.replicate_dim)
+        group = self.mesh.get_group(self.replicate_axis)
         cast = reduce_dtype not in (None, self.dtype)
         target = self.local_grad.to(reduce_dtype) if cast else self.local_grad
         with profiler_range("DBuffer::all_reduce"):

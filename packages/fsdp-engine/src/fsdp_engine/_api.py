@@ -466,8 +466,8 @@ def _build_group(
         buffer = DBuffer(
             tensors,
             where.mesh,
-            shard_dim=where.shard_axis,
-            replicate_dim=where.replicate_axis,
+            shard_axis=where.shard_axis,
+            replicate_axis=where.replicate_axis,
             block_rows={n: rows[n] for n, _ in tensors},
             num_shard_dims={found.names[p]: placements[p].num_shard_dims for p in params},
         )

@@ -206,14 +206,14 @@ class ParamGroup:
         """
         self._keep_groups = {}
         for buffer in self.buffers:
-            ranks = dist.get_process_group_ranks(buffer.mesh.get_group(buffer.shard_dim))
+            ranks = dist.get_process_group_ranks(buffer.mesh.get_group(buffer.shard_axis))
             if len(ranks) % parts:
                 raise ValueError(
                     f"reshard_after_forward={parts} must divide the size {len(ranks)} of "
                     f"{self.label}'s shard axis; valid: "
                     f"{[k for k in range(1, len(ranks) + 1) if len(ranks) % k == 0]}"
                 )
-            index = buffer.mesh.get_local_rank(buffer.shard_dim)
+            index = buffer.mesh.get_local_rank(buffer.shard_axis)
             start = index // parts * parts
             self._keep_groups[buffer] = _process_group(tuple(ranks[start : start + parts]))
 
@@ -310,7 +310,7 @@ class ParamGroup:
         for buffer, handle in pending.handles:
             with profiler_range(f"FSDP::wait_for_reduce({self.label})"):
                 handle.wait()
-            if config.requires_all_reduce and buffer.replicate_dim is not None:
+            if config.requires_all_reduce and buffer.replicate_axis is not None:
                 buffer.all_reduce(
                     op=self._reduce_op, reduce_dtype=self.mp_policy.reduce_dtype
                 ).wait()
@@ -461,9 +461,9 @@ def _process_group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
 
 def _data_parallel_size(buffer: DBuffer) -> int:
     """Ranks a buffer's gradients are averaged over: its shard axis times its replicate axis."""
-    size = buffer.mesh.size(buffer.shard_dim)
-    if buffer.replicate_dim is not None:
-        size *= buffer.mesh.size(buffer.replicate_dim)
+    size = buffer.mesh.size(buffer.shard_axis)
+    if buffer.replicate_axis is not None:
+        size *= buffer.mesh.size(buffer.replicate_axis)
     return size
 
 
