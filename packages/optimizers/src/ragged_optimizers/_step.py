@@ -45,7 +45,7 @@ class StepOptimizer(Optimizer):
         return loss
 
     def _step(self) -> None:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must implement _step(), the step itself")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Resets the gradients, as torch's `Optimizer.zero_grad`.
