@@ -473,10 +473,14 @@ def check_async_handles() -> None:
     buf = DBuffer(tensors, mesh)
     for name in buf.names:
         buf.full_grad(name).fill_(float(rank + 1) / 4)
+    assert not buf.reduce_pending
     handle = buf.reduce_scatter(op="sum", reduce_dtype=torch.float32, async_op=True)
+    assert buf.reduce_pending  # the buffer owns the work in flight
     torch.randn(64, 64) @ torch.randn(64, 64)  # compute while the reduce runs
-    handle.wait()
+    buf.wait_for_reduce()
+    assert not buf.reduce_pending and handle.done
     handle.wait()  # idempotent
+    buf.wait_for_reduce()  # nothing in flight: a no-op
     total = world * (world + 1) / 2 / 4
     for name, t in tensors:
         expected = torch.full(t.shape, total).to(torch.bfloat16)
@@ -950,3 +954,44 @@ def check_dtensor_entry_errors() -> None:
     expect_error(ValueError, lambda: DBuffer([("e", even)], unnamed), "named axes")
     expect_error(ValueError, lambda: DBuffer([("e", even)], dp, block_rows=2), "valid: [1, 3]")
     DBuffer([("e", even)], dp, block_rows=3)  # divides the 3 local rows: fine
+
+
+def check_comm_kinds() -> None:
+    """Every comm kind gathers and reduce-scatters like the full-tensor reference, in place too.
+
+    `comm_for` picks the gloo-in-place kind on CPU gloo (one rank: the one-rank kind); the
+    native kind runs here too, over gloo's own single-tensor collectives.
+    """
+    from dbuffer._comm import GlooInPlaceComm, NativeComm, OneRankComm, comm_for
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    group, cpu = dist.group.WORLD, torch.device("cpu")
+    assert group is not None
+    chosen = comm_for(group, cpu)
+    assert type(chosen) is (OneRankComm if world == 1 else GlooInPlaceComm), type(chosen)
+    kinds = [type(chosen)] + ([NativeComm] if world > 1 else [])
+    for kind in kinds:
+        comm = kind(group, cpu)
+        for size in (0, 5):  # an empty shard too
+            # The full tensor: rank r's shard holds 100 r + (0 .. size-1).
+            full = torch.cat(
+                [torch.arange(size, dtype=torch.float32) + 100 * r for r in range(world)]
+            )
+            mine = full[rank * size : (rank + 1) * size].clone()
+            output = torch.full((world * size,), -1.0)
+            comm.all_gather(output, mine, async_op=False)
+            assert torch.equal(output, full), (kind.__name__, output)
+            output = torch.full((world * size,), -1.0)
+            comm.chunk(output).copy_(mine)  # gathering in place
+            comm.all_gather(output, comm.chunk(output), async_op=False)
+            assert torch.equal(output, full), (kind.__name__, output)
+            # Reduce: rank r sends (r + 1) * full; this rank gets its chunk of the sum.
+            send = full * (rank + 1)
+            out = None if comm.reduces_in_place else torch.full((size,), -1.0)
+            works, result = comm.reduce_scatter(out, send, op="sum", async_op=True)
+            for work in works:
+                if work is not None:
+                    work.wait()
+            expected = full[rank * size : (rank + 1) * size] * (world * (world + 1) // 2)
+            assert torch.equal(result, expected), (kind.__name__, result, expected)
+            assert out is None or result is out

@@ -123,3 +123,8 @@ def test_release_grad(pools, world) -> None:
 def test_dtensor_entries_shard_their_local_pieces(pools, world, shape) -> None:
     pools[world].run(cases.check_dtensor_entries, shape)
     pools[world].run(cases.check_dtensor_entry_errors)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_comm_kinds_match_the_reference(pools, world) -> None:
+    pools[world].run(cases.check_comm_kinds)

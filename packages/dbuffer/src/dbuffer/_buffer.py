@@ -2,21 +2,16 @@
 
 Memory model (see docs/architecture.md, "DBuffer"):
 - `local` is this rank's S elements (one allocation); each tensor's sharded piece is a view of
-  it and is exposed as a RaggedShard DTensor (`sharded(name)`).
+  it and is exposed as a RaggedShard DTensor (`sharded(name)`, `_shards.py`).
 - `unshard()` all-gathers `local` straight into one global buffer of m * S elements; each
   tensor's unsharded form is a view of that buffer at its planned offset (`full(name)`). The
   views are made once and keep their identity: `reshard()` frees the storage under them
   (resize to 0) and the next `unshard()` re-allocates it, so no per-tensor allocation and no
   copy-in / copy-out ever happens. With `dtype=` (mixed precision) the local shard is cast
-  once into a send buffer; that cast is the only elementwise pass.
-- Gradients: one global grad buffer holds every full gradient at its offset
-  (`accumulate_grad(name, grad)`, or accumulate by hand into the view `full_grad(name)`);
-  `reduce_scatter()` reduces it straight into `local_grad`, whose views are the sharded
-  gradients, then frees it (`_grad_buffer.py`); on gloo, whose reduce-scatter all-reduces a
-  clone of its input, it all-reduces the buffer in place and copies this rank's S elements
-  out instead, and whose all-gather stages the whole output in a temporary, it copies `local`
-  into this rank's chunk and broadcasts each chunk in place. `all_reduce()` then averages
-  them over the replicate axis (HSDP).
+  once into this rank's chunk of the global buffer; that cast is the only elementwise pass.
+- How bytes move (native collectives, gloo in place, one rank) is chosen once per buffer
+  (`_comm.py`); the gradients (global gradient buffer, reduce-scatter into `local_grad`,
+  HSDP all-reduce) are their own pipeline (`_gradients.py`), which this class fronts.
 - Freed memory: `full()` raises while resharded, and a backward that needs a view autograd
   saved raises autograd's version error while its memory is freed; with `check_freed` every
   op on a view checks too (`_freeable.py`, `_views.py`). On CUDA frees are ordered with
@@ -34,8 +29,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor import DTensor
 
 from dbuffer._checks import (
     BlockRows,
@@ -43,66 +37,21 @@ from dbuffer._checks import (
     check_axis,
     check_block_rows,
     check_dtype,
-    check_grad,
     check_layout,
+    check_name,
     check_num_shard_dims,
     check_tensors,
+    renamed_keyword,
     rows_of,
 )
-from dbuffer._compat import all_gather_single, profiler_range, reduce_scatter_single
+from dbuffer._comm import ShardComm, comm_for
 from dbuffer._freeable import FreeableBuffer, check_freed_default
-from dbuffer._grad_buffer import FullGradBuffer
+from dbuffer._gradients import Gradients
 from dbuffer._handle import Handle
 from dbuffer._outer import OuterSpec, check_rows_within_piece, outer_spec
-from dbuffer._streams import current_stream, free_storage, record_event
-from ragged_placement import RaggedShard, cut_dims_for, with_locals
+from dbuffer._shards import ShardViews
+from dbuffer._streams import record_event
 from shard_planner import Layout, TensorSpec, plan_layout
-
-_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}
-_PLAIN_TENSORS = {torch.Tensor, torch.nn.Parameter}  # what autograd hands out as gradients
-
-
-def _split_plan(
-    pieces: Mapping[str, tuple[int, int, torch.Size | None]], size: int
-) -> tuple[list[int], dict[str, int]]:
-    """How one `split` cuts a shard of `size` elements into its tensors' pieces.
-
-    Returns the split sizes (pieces and the gaps between them) and, per non-empty tensor,
-    the index of its piece among the chunks.
-    """
-    sizes: list[int] = []
-    at: dict[str, int] = {}
-    end = 0
-    ranges = sorted((lo, hi, n) for n, (lo, hi, shape) in pieces.items() if shape is None)
-    for lo, hi, name in ranges:
-        if lo < end:
-            raise AssertionError(f"pieces overlap at {name!r}: [{lo}, {hi}) starts before {end}")
-        if lo > end:
-            sizes.append(lo - end)
-        at[name] = len(sizes)
-        sizes.append(hi - lo)
-        end = hi
-    if end < size:
-        sizes.append(size - end)
-    return sizes, at
-
-
-def _renamed(old: str, old_value: int | None, new: str, new_value: int | None) -> int | None:
-    """`new_value`, or the value given under the deprecated keyword `old` (with a warning)."""
-    if old_value is None:
-        return new_value
-    if new_value is not None:
-        raise ValueError(f"DBuffer: pass {new} only ({old} is its deprecated name), not both")
-    warnings.warn(
-        f"DBuffer({old}=...) is deprecated: use {new} (a mesh axis)", DeprecationWarning, 3
-    )
-    return old_value
-
-
-def _cpu_backend_is_gloo(group: dist.ProcessGroup) -> bool:
-    """Whether CPU tensors on `group` go through gloo (alone, or beside a device backend)."""
-    backend = str(dist.get_backend(group))
-    return backend == "gloo" or "cpu:gloo" in backend
 
 
 class DBuffer:
@@ -156,8 +105,10 @@ class DBuffer:
         shard_dim: int | None = None,
         replicate_dim: int | None = None,
     ) -> None:
-        shard_axis = _renamed("shard_dim", shard_dim, "shard_axis", shard_axis)
-        replicate_axis = _renamed("replicate_dim", replicate_dim, "replicate_axis", replicate_axis)
+        shard_axis = renamed_keyword("shard_dim", shard_dim, "shard_axis", shard_axis)
+        replicate_axis = renamed_keyword(
+            "replicate_dim", replicate_dim, "replicate_axis", replicate_axis
+        )
         tensors = list(tensors)
         # DTensor entries (sharded over other axes): the local piece is what gets planned.
         self._outer: dict[str, OuterSpec] = {}
@@ -200,42 +151,22 @@ class DBuffer:
         self.layout = layout if layout is not None else plan_layout(specs, world, align=align)
         check_layout(self.layout, specs, world)
         self._rank = mesh.get_local_rank(self.shard_axis)
-        self._group = mesh.get_group(self.shard_axis)
-        # Gloo's reduce-scatter all-reduces a clone of its input and copies out one chunk; its
-        # all-gather gathers into a temporary as large as the output and copies it over.
-        # Reducing our own buffer in place, and gathering it with one broadcast per rank into
-        # that rank's chunk, moves the same bytes without them: each temporary would
-        # otherwise stay live (as large as the buffer) until the wait.
-        self._gloo_in_place = (
-            self._group.size() > 1
-            and self.device.type == "cpu"
-            and _cpu_backend_is_gloo(self._group)
-        )
-        # Each rank's global rank, the source of the broadcast of its chunk.
-        self._group_ranks = dist.get_process_group_ranks(self._group)
-        size = self.layout.shard_size
-        self.local = torch.zeros(size, dtype=self.dtype, device=self.device)
+        group = mesh.get_group(self.shard_axis)
+        self._comm: ShardComm = comm_for(group, self.device)
+        self._shard_ranks = dist.get_process_group_ranks(group)
+        self.local = torch.zeros(self.layout.shard_size, dtype=self.dtype, device=self.device)
         self.copy_(dict(tensors))
-        # Per tensor: this rank's (start, end) in `local`, or the shape of an empty tensor.
-        self._pieces: dict[str, tuple[int, int, torch.Size | None]] = {
-            name: (0, 0, t.shape)
-            if t.numel() == 0
-            else (*self.layout.local_range(name, self._rank), None)
-            for name, t in tensors
-        }
-        self._split_sizes, self._split_at = _split_plan(self._pieces, size)
-        self._sharded = {name: self._make_sharded(name, self.local) for name, _ in tensors}
+        self._views = ShardViews(
+            self.layout, self._shapes, self._outer, mesh, self.shard_axis, self.local
+        )
         # Global (unsharded) buffers by dtype, and the unshards still in flight into them.
         self._global: dict[torch.dtype, FreeableBuffer] = {}
         self._pending_unshards: dict[torch.dtype, Handle] = {}
-        # What `reshard(keep_group=...)` kept of each global buffer, and the group to gather
-        # it over at the next unshard.
-        self._kept: dict[torch.dtype, tuple[dist.ProcessGroup, torch.Tensor]] = {}
-        self._keep_group_ranks: dict[dist.ProcessGroup, list[int]] = {}  # checked once each
-        self._grad = self._new_grad_buffer()
-        self._pending_reduce: Handle | None = None
-        self._local_grad: torch.Tensor | None = None
-        self._sharded_grads: dict[str, DTensor] = {}
+        # What `reshard(keep_group=...)` kept of each global buffer, and the comm to gather
+        # it with at the next unshard.
+        self._kept: dict[torch.dtype, tuple[ShardComm, torch.Tensor]] = {}
+        self._keep_comms: dict[dist.ProcessGroup, ShardComm] = {}  # checked once each
+        self._grads = self._new_gradients()
 
     @property
     def shard_dim(self) -> int:
@@ -251,9 +182,18 @@ class DBuffer:
         )
         return self.replicate_axis
 
-    def _new_grad_buffer(self) -> FullGradBuffer:
-        return FullGradBuffer(
-            self.layout, self._shapes, self.dtype, self.device, check_freed=self.check_freed
+    def _new_gradients(self) -> Gradients:
+        axis = self.replicate_axis
+        replicas = None if axis is None or self.mesh.size(axis) == 1 else self.mesh.get_group(axis)
+        return Gradients(
+            self.layout,
+            self._shapes,
+            self._views,
+            self._comm,
+            replicas,
+            self.dtype,
+            self.device,
+            check_freed=self.check_freed,
         )
 
     # -- sizes and names ----------------------------------------------------------------------
@@ -268,61 +208,17 @@ class DBuffer:
         """The tensors' names, in the caller's order."""
         return tuple(self._shapes)
 
-    def _check_name(self, name: str) -> None:
-        if name not in self._shapes:
-            shown = ", ".join(list(self._shapes)[:8])
-            raise KeyError(f"no tensor named {name!r} in this DBuffer; valid: {shown}")
-
     # -- sharded views ------------------------------------------------------------------------
-
-    def _placements(self, name: str) -> list[Placement]:
-        placements: list[Placement] = [Replicate()] * self.mesh.ndim
-        shape = self._shapes[name]
-        if self.layout.spec(name).numel:  # else nothing to shard: replicated (empty) pieces
-            unit = self.layout.unit(name)
-            placements[self.shard_axis] = RaggedShard(
-                cut_dims_for(tuple(shape), unit), self.layout.local_units(name)
-            )
-        return placements
-
-    def _piece(self, name: str, storage: torch.Tensor) -> torch.Tensor:
-        """This rank's piece of `name` in `storage` (`local` or `local_grad`)."""
-        (piece,) = self._pieces_of([name], storage)
-        return piece
-
-    def _pieces_of(self, names: list[str], storage: torch.Tensor) -> list[torch.Tensor]:
-        # One split cuts every piece (a slice each costs 4x more); it runs for every
-        # parameter each step. Empty tensors get an empty view of their own shape.
-        chunks = torch.split_with_sizes(storage, self._split_sizes)
-        at, pieces = self._split_at, self._pieces
-        return [
-            chunks[at[name]] if name in at else storage[0:0].view(pieces[name][2])  # type: ignore[arg-type]
-            for name in names
-        ]
-
-    def _make_sharded(self, name: str, storage: torch.Tensor) -> DTensor:
-        piece = self._piece(name, storage)
-        outer = self._outer.get(name)
-        if outer is not None:
-            placements = [*self._placements(name), *outer.placements]
-            return DTensor.from_local(
-                piece, outer.mesh, placements, shape=outer.shape, stride=outer.stride
-            )
-        if self.layout.spec(name).numel == 0:  # nothing to shard: an empty replicated view
-            return DTensor.from_local(piece, self.mesh, self._placements(name))
-        return DTensor.from_local(
-            piece, self.mesh, self._placements(name), shape=self._shapes[name]
-        )
 
     def sharded(self, name: str) -> DTensor:
         """Tensor `name` as a RaggedShard DTensor whose local tensor is a view of `local`."""
-        self._check_name(name)
-        return self._sharded[name]
+        check_name(name, self._shapes)
+        return self._views.of_local[name]
 
     def sharded_grad(self, name: str) -> DTensor:
         """The reduced gradient of `name`, a RaggedShard DTensor viewing `local_grad`."""
-        self._check_name(name)
-        return self._build_sharded_grads()[name]
+        check_name(name, self._shapes)
+        return self._grads.sharded()[name]
 
     def sharded_grads(self) -> dict[str, DTensor]:
         """`sharded_grad(name)` of every tensor, by name (built together, in one pass).
@@ -332,18 +228,7 @@ class DBuffer:
             >>> grads["w"] is buf.sharded_grad("w")
             True
         """
-        return dict(self._build_sharded_grads())
-
-    def _build_sharded_grads(self) -> dict[str, DTensor]:
-        views = self._sharded_grads
-        if not views:
-            # Each parameter's spec over its piece of `local_grad`, all at once (from_local's
-            # checks hold for `local` already): once per step for every parameter of a group.
-            names = list(self._shapes)
-            pieces = self._pieces_of(names, self.local_grad)
-            made = with_locals([self._sharded[name] for name in names], pieces)
-            views.update(zip(names, made, strict=True))
-        return views
+        return dict(self._grads.sharded())
 
     @property
     def local_grad(self) -> torch.Tensor:
@@ -352,14 +237,12 @@ class DBuffer:
         Allocated on first use and kept until `release_grad()`; `reduce_scatter()` writes it
         (without zeroing first when it overwrites).
         """
-        if self._local_grad is None:
-            self._local_grad = torch.zeros_like(self.local)
-        return self._local_grad
+        return self._grads.local
 
     @property
     def has_local_grad(self) -> bool:
         """Whether the gradient shard is allocated now (see `release_grad`)."""
-        return self._local_grad is not None
+        return self._grads.has_local
 
     def release_grad(self) -> None:
         """Drops the sharded gradient shard; the next use allocates a new one.
@@ -374,9 +257,7 @@ class DBuffer:
             >>> buf.local_grad.count_nonzero().item()  # a new, zeroed shard
             0
         """
-        self._wait_reduce()
-        self._local_grad = None
-        self._sharded_grads = {}
+        self._grads.release()
 
     # -- unshard / reshard --------------------------------------------------------------------
 
@@ -386,7 +267,7 @@ class DBuffer:
             offsets = dict(self.layout.offsets)
             numel = self.layout.buffer_numel
             # On one rank the global buffer is the local shard: alias it (no copy, no memory).
-            backing = self.local if self._group.size() == 1 and dtype == self.dtype else None
+            backing = self.local if self._comm.size == 1 and dtype == self.dtype else None
             memory = FreeableBuffer(
                 numel,
                 offsets,
@@ -429,28 +310,13 @@ class DBuffer:
         if dtype in self._kept:
             return self._unshard_kept(dtype, async_op)
         buffer = self._global_buffer(dtype)
-        if dtype == self.dtype and not self._gloo_in_place:
-            send = self.local
-        else:
-            # Cast (or, on gloo, copy) straight into this rank's own chunk of the global
-            # buffer (the only elementwise pass) and gather in place: no send buffer.
-            start = self._rank * self.shard_size
-            send = buffer[start : start + self.shard_size]
+        send = self.local
+        if dtype != self.dtype:
+            # Cast straight into this rank's own chunk of the global buffer (the only
+            # elementwise pass) and gather in place: no send buffer.
+            send = self._comm.chunk(buffer)
             send.copy_(self.local)
-        works: list[dist.Work | None] = []
-        # On one rank the buffer aliases `local`, or the cast above already filled it.
-        if self._group.size() > 1:
-            with profiler_range("DBuffer::all_gather"):
-                if self._gloo_in_place:
-                    for rank, source in enumerate(self._group_ranks):
-                        chunk = buffer.narrow(0, rank * self.shard_size, self.shard_size)
-                        works.append(
-                            dist.broadcast(chunk, source, group=self._group, async_op=async_op)
-                        )
-                else:
-                    works.append(
-                        all_gather_single(buffer, send, group=self._group, async_op=async_op)
-                    )
+        works = self._comm.all_gather(buffer, send, async_op=async_op)
         handle = Handle(works, device=self.device, event=record_event(self.device))
         self._pending_unshards[dtype] = handle
         return handle
@@ -480,49 +346,37 @@ class DBuffer:
             handle.wait()
         self._pending_unshards = {}
         self._kept = {}
-        if keep_group is not None:
-            self._check_keep_group(keep_group)
-        if keep_group is not None and keep_group.size() < self._group.size():
-            index, parts = keep_group.rank(), keep_group.size()
+        keep = None if keep_group is None else self._keep_comm(keep_group)
+        if keep is not None and keep.size < self._comm.size:
             for dtype, memory in self._global.items():
                 if memory.allocated:
                     whole = memory.allocate()  # the writer alias of what is gathered
-                    size = whole.numel() // parts
-                    self._kept[dtype] = (keep_group, whole.narrow(0, index * size, size).clone())
+                    self._kept[dtype] = (keep, keep.chunk(whole).clone())
         for memory in self._global.values():
             memory.free()
 
-    def _check_keep_group(self, keep_group: dist.ProcessGroup) -> list[int]:
-        """The group's global ranks, once checked (it is given after every forward)."""
-        ranks = self._keep_group_ranks.get(keep_group)
-        if ranks is not None:
-            return ranks
+    def _keep_comm(self, keep_group: dist.ProcessGroup) -> ShardComm:
+        """The comm over `keep_group`, once checked (it is given after every forward)."""
+        comm = self._keep_comms.get(keep_group)
+        if comm is not None:
+            return comm
         ranks = dist.get_process_group_ranks(keep_group)
-        parts, world = len(ranks), self._group.size()
+        parts, world = len(ranks), self._comm.size
         start = self._rank // parts * parts if world % parts == 0 else -1
-        expected = self._group_ranks[start : start + parts] if start >= 0 else None
+        expected = self._shard_ranks[start : start + parts] if start >= 0 else None
         if expected != ranks:
             raise ValueError(
                 f"keep_group has ranks {ranks}; it must be k consecutive ranks of this "
-                f"buffer's shard axis {self._group_ranks} (k dividing {world}) that include "
+                f"buffer's shard axis {self._shard_ranks} (k dividing {world}) that include "
                 f"this rank"
             )
-        self._keep_group_ranks[keep_group] = ranks
-        return ranks
+        comm = self._keep_comms[keep_group] = comm_for(keep_group, self.device)
+        return comm
 
     def _unshard_kept(self, dtype: torch.dtype, async_op: bool) -> Handle:
-        group, piece = self._kept.pop(dtype)
+        comm, piece = self._kept.pop(dtype)
         buffer = self._global_buffer(dtype)
-        size, works = piece.numel(), []
-        with profiler_range("DBuffer::all_gather_kept"):
-            if self._gloo_in_place:
-                for index, source in enumerate(self._keep_group_ranks[group]):
-                    chunk = buffer.narrow(0, index * size, size)
-                    if index == group.rank():
-                        chunk.copy_(piece)
-                    works.append(dist.broadcast(chunk, source, group=group, async_op=async_op))
-            else:
-                works.append(all_gather_single(buffer, piece, group=group, async_op=async_op))
+        works = comm.all_gather(buffer, piece, async_op=async_op, label="DBuffer::all_gather_kept")
         handle = Handle(works, device=self.device, event=record_event(self.device))
         self._pending_unshards[dtype] = handle
         return handle
@@ -538,7 +392,7 @@ class DBuffer:
         Raises:
             RuntimeError: the buffer is resharded (call `unshard()` first).
         """
-        self._check_name(name)
+        check_name(name, self._shapes)
         dtype = check_dtype("full dtype", dtype) or self.dtype
         memory = self._global.get(dtype)
         if memory is None or not memory.allocated:
@@ -559,9 +413,7 @@ class DBuffer:
         Example:
             >>> _ = buf.full_grad("w").add_(grad_w)
         """
-        self._check_name(name)
-        self._wait_reduce()
-        return self._grad.view(name)
+        return self._grads.full_view(name)
 
     def accumulate_grad(self, name: str, grad: torch.Tensor) -> None:
         """Adds `grad` (the full gradient of `name`) into the global gradient buffer.
@@ -588,40 +440,24 @@ class DBuffer:
             >>> torch.equal(buf.full_grad("b"), grad_b)
             True
         """
-        given: tuple[object, object] = (names, grads)  # callers may pass anything
-        if isinstance(given[0], str) or isinstance(given[1], torch.Tensor):
-            raise TypeError(
-                "accumulate_grads takes a list of names and a list of gradients; for one "
-                "tensor use accumulate_grad(name, grad)"
-            )
-        names, grads = list(names), list(grads)
-        if len(names) != len(grads):
-            raise ValueError(f"accumulate_grads: {len(names)} names but {len(grads)} gradients")
-        # Checked as whole lists (the engine passes every gradient of a group per step); the
-        # per-tensor loop below only runs to name the culprit.
-        shapes = self._shapes
-        if not (
-            {g.__class__ for g in grads} <= _PLAIN_TENSORS
-            and set(names) <= shapes.keys()
-            and [shapes[n] for n in names] == [g.shape for g in grads]
-            and {g.device for g in grads} <= {self.device}
-            and all(
-                dtype.is_floating_point or dtype.is_complex for dtype in {g.dtype for g in grads}
-            )
-        ):
-            for name, grad in zip(names, grads, strict=True):
-                self._check_name(name)
-                check_grad(name, grad, shapes[name], self.device)
-        self._wait_reduce()
-        if len(set(names)) < len(names):  # a name twice: add in order, one at a time
-            for name, grad in zip(names, grads, strict=True):
-                self._grad.accumulate([name], [grad])
-            return
-        self._grad.accumulate(names, grads)
+        self._grads.accumulate(names, grads)
 
-    def _wait_reduce(self) -> None:
-        if self._pending_reduce is not None:
-            self._pending_reduce.wait()
+    @property
+    def reduce_pending(self) -> bool:
+        """Whether a `reduce_scatter(async_op=True)` is in flight (not waited for yet)."""
+        return self._grads.pending
+
+    def wait_for_reduce(self) -> None:
+        """Waits for a reduce-scatter in flight; a no-op when none is.
+
+        Example:
+            >>> buf.accumulate_grad("w", grad_w)
+            >>> _ = buf.reduce_scatter(async_op=True)
+            >>> buf.wait_for_reduce()
+            >>> buf.reduce_pending
+            False
+        """
+        self._grads.wait()
 
     def reduce_scatter(
         self,
@@ -654,69 +490,13 @@ class DBuffer:
             >>> buf.sharded_grad("w").full_tensor().equal(grad_w)  # one rank: the average
             True
         """
-        if op not in _OPS:
-            raise ValueError(f"op must be one of {sorted(_OPS)}, got {op!r}")
-        if not isinstance(accumulate, bool):
-            raise TypeError(f"accumulate must be a bool, got {accumulate!r}")
-        reduce_dtype = check_dtype("reduce_dtype", reduce_dtype)
-        self._wait_reduce()
-        grad = self._grad.for_reduce()
-        if divide_factor is not None:
-            factor: object = divide_factor  # callers may pass anything; check before use
-            if isinstance(factor, bool) or not isinstance(factor, int | float) or factor <= 0:
-                raise ValueError(f"divide_factor must be a number > 0, got {divide_factor!r}")
-            grad.div_(divide_factor)
-            op = "sum"
-        # In a reduce dtype the collective reads a cast copy and writes a temporary; both
-        # stay referenced by the handle until the collective is done.
-        send = grad if reduce_dtype in (None, self.dtype) else grad.to(reduce_dtype)
-        works: list[dist.Work | None] = []
-        temps = [] if send is grad else [send]
-        if self._group.size() == 1 or self._gloo_in_place:
-            # `send` ends up holding the reduced sums; `finish` reads this rank's chunk.
-            if self._group.size() > 1:
-                with profiler_range("DBuffer::reduce_scatter"):
-                    works.append(
-                        dist.all_reduce(send, op=_OPS[op], group=self._group, async_op=async_op)
-                    )
-            out = send.narrow(0, self._rank * self.shard_size, self.shard_size)
-        else:
-            overwrite = send.dtype == self.dtype and not accumulate
-            if overwrite and self._local_grad is None:  # every element is written: no zeroing
-                self._local_grad = torch.empty_like(self.local)
-            if overwrite:
-                out = self.local_grad
-            else:
-                out = torch.empty(self.shard_size, dtype=send.dtype, device=self.device)
-                temps.append(out)
-            with profiler_range("DBuffer::reduce_scatter"):
-                works.append(
-                    reduce_scatter_single(
-                        out, send, op=_OPS[op], group=self._group, async_op=async_op
-                    )
-                )
-        alloc_stream = current_stream(self.device)
-
-        def finish() -> None:
-            if not accumulate and self._local_grad is None:  # overwritten: no zeroing
-                self._local_grad = torch.empty_like(self.local)
-            if out is not self.local_grad:
-                if accumulate:
-                    self.local_grad.add_(out)
-                else:
-                    self.local_grad.copy_(out)
-            # The temporaries were allocated on the issuing stream; order their reuse.
-            for temp in temps:
-                free_storage(temp, alloc_stream)
-            self._grad.free()
-            self._pending_reduce = None
-
-        handle = Handle(works, device=self.device, event=record_event(self.device), then=finish)
-        if async_op:
-            self._pending_reduce = handle
-        else:
-            handle.wait()
-        return handle
+        return self._grads.reduce_scatter(
+            op=op,
+            divide_factor=divide_factor,
+            reduce_dtype=reduce_dtype,
+            accumulate=accumulate,
+            async_op=async_op,
+        )
 
     def all_reduce(
         self,
@@ -740,25 +520,7 @@ class DBuffer:
             >>> buf.accumulate_grad("w", grad_w)
             >>> buf.reduce_scatter().wait(); buf.all_reduce().wait()  # no replicate axis: no-op
         """
-        if op not in _OPS:
-            raise ValueError(f"op must be one of {sorted(_OPS)}, got {op!r}")
-        reduce_dtype = check_dtype("reduce_dtype", reduce_dtype)
-        self._wait_reduce()
-        if self.replicate_axis is None or self.mesh.size(self.replicate_axis) == 1:
-            return Handle()
-        group = self.mesh.get_group(self.replicate_axis)
-        cast = reduce_dtype not in (None, self.dtype)
-        target = self.local_grad.to(reduce_dtype) if cast else self.local_grad
-        with profiler_range("DBuffer::all_reduce"):
-            work = dist.all_reduce(target, op=_OPS[op], group=group, async_op=async_op)
-        alloc_stream = current_stream(self.device)
-
-        def finish() -> None:
-            if cast:
-                self.local_grad.copy_(target)
-                free_storage(target, alloc_stream)
-
-        return Handle([work], device=self.device, event=record_event(self.device), then=finish)
+        return self._grads.all_reduce(op=op, reduce_dtype=reduce_dtype, async_op=async_op)
 
     # -- moving the storage -------------------------------------------------------------------
 
@@ -784,7 +546,7 @@ class DBuffer:
         """
         if self.is_unsharded:
             raise RuntimeError("apply_() needs a resharded DBuffer: call reshard() first")
-        self._wait_reduce()
+        self._grads.wait()
         local: object = fn(self.local)
         if not isinstance(local, torch.Tensor) or local.numel() != self.shard_size:
             got = local.shape if isinstance(local, torch.Tensor) else type(local).__name__
@@ -793,29 +555,22 @@ class DBuffer:
             )
         self.local = local.contiguous().view(-1)
         self.dtype, self.device = self.local.dtype, self.local.device
-        self._local_grad = None
         self._global = {}
         self._pending_unshards = {}
-        self._grad = self._new_grad_buffer()
-        self._sharded = {name: self._make_sharded(name, self.local) for name in self.names}
-        self._sharded_grads = {}
+        self._views = ShardViews(
+            self.layout, self._shapes, self._outer, self.mesh, self.shard_axis, self.local
+        )
+        self._grads = self._new_gradients()
 
     # -- group ops ----------------------------------------------------------------------------
 
     def zero_grad(self) -> None:
         """Zeroes the local gradient (one kernel) and the global one (lazily, no kernel)."""
-        self._wait_reduce()
-        if self._local_grad is not None:  # a shard not made yet is zeros when it is
-            self._local_grad.zero_()
-        self._grad.zero()
+        self._grads.zero()
 
     def scale_grad_(self, factor: float) -> None:
         """Multiplies the local gradient shard by `factor` in one kernel."""
-        value: object = factor  # callers may pass anything; check before use
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise TypeError(f"scale_grad_ factor must be a number, got {factor!r}")
-        if self._local_grad is not None:
-            self._local_grad.mul_(factor)
+        self._grads.scale_(factor)
 
     def copy_(self, other: DBuffer | Mapping[str, torch.Tensor]) -> None:
         """Copies values from a DBuffer of the same layout (one kernel) or full tensors by name."""
@@ -830,7 +585,7 @@ class DBuffer:
             )
         base = self._rank * self.shard_size
         for name, value in other.items():
-            self._check_name(name)
+            check_name(name, self._shapes)
             given: object = value  # callers may pass anything; check before use
             if not isinstance(given, torch.Tensor) or given.shape != self._shapes[name]:
                 got = tuple(given.shape) if isinstance(given, torch.Tensor) else type(given)

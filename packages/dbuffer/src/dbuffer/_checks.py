@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -152,3 +153,22 @@ def check_grad(name: str, grad: object, shape: torch.Size, device: torch.device)
         raise TypeError(
             f"accumulate_grad({name!r}): gradients must be floating point, got {grad.dtype}"
         )
+
+
+def check_name(name: str, shapes: Mapping[str, torch.Size]) -> None:
+    """`name` is one of the buffer's tensors."""
+    if name not in shapes:
+        shown = ", ".join(list(shapes)[:8])
+        raise KeyError(f"no tensor named {name!r} in this DBuffer; valid: {shown}")
+
+
+def renamed_keyword(old: str, old_value: int | None, new: str, new_value: int | None) -> int | None:
+    """`new_value`, or the value given under the deprecated keyword `old` (with a warning)."""
+    if old_value is None:
+        return new_value
+    if new_value is not None:
+        raise ValueError(f"DBuffer: pass {new} only ({old} is its deprecated name), not both")
+    warnings.warn(
+        f"DBuffer({old}=...) is deprecated: use {new} (a mesh axis)", DeprecationWarning, 3
+    )
+    return old_value
