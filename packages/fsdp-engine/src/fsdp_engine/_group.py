@@ -98,10 +98,11 @@ class ManagedParam:
 
 
 @dataclass(eq=False)
-class _PendingReduce:
-    handles: list[tuple[DBuffer, Handle]]
+class _Reduction:
+    """A reduce issued whose gradients are not handed out yet (the buffers own its works)."""
+
     saved: dict[DBuffer, torch.Tensor]  # local_grad before the reduce, to add back
-    done: bool = False
+    finished: bool = False  # waited for, HSDP all-reduced, hooks run
 
 
 @dataclass(eq=False)
@@ -119,9 +120,8 @@ class ParamGroup:
     mesh: DeviceMesh
     mp_policy: MixedPrecisionPolicy
     label: str
-    is_unsharded: bool = False
     _unshard_handles: list[Handle] = field(default_factory=list)
-    _pending_reduce: _PendingReduce | None = None
+    _reduction: _Reduction | None = None
     _received: set[ManagedParam] = field(default_factory=set)  # got a gradient since the reduce
     _reduce_op: Literal["avg", "sum"] = "avg"
     # Parameters without values: the group was materialized from the meta device by
@@ -156,6 +156,11 @@ class ParamGroup:
 
     # -- unshard / reshard --------------------------------------------------------------------
 
+    @property
+    def is_unsharded(self) -> bool:
+        """Whether the group's buffers hold gathered memory (their state, read here)."""
+        return any(buffer.is_unsharded for buffer in self.buffers)
+
     def _compute_dtype(self, buffer: DBuffer) -> torch.dtype | None:
         dtype = self.mp_policy.param_dtype
         if dtype is None or not buffer.dtype.is_floating_point or dtype == buffer.dtype:
@@ -177,7 +182,6 @@ class ParamGroup:
                 buffer.unshard(dtype=self._compute_dtype(buffer), async_op=async_op)
                 for buffer in self.buffers
             ]
-        self.is_unsharded = True
         return self._unshard_handles
 
     def wait_for_unshard(self) -> None:
@@ -228,7 +232,6 @@ class ParamGroup:
             for buffer in self.buffers:
                 buffer.reshard(keep_group=keep.get(buffer))
             self._unshard_handles = []
-            self.is_unsharded = False
         for slots, attr, param in self._slots:
             slots[attr] = param.sharded
 
@@ -278,25 +281,20 @@ class ParamGroup:
         summed = config.divide_factor is not None or config.force_sum_reduction
         # With a factor: gradients divided once by it, then summed over both mesh axes.
         self._reduce_op = "sum" if summed else "avg"
-        handles = []
         with profiler_range(f"FSDP::reduce_scatter({self.label})"):
             for buffer in self.buffers:
                 factor = config.divide_factor
                 if factor is None and summed:
                     factor = float(_data_parallel_size(buffer))
                 reduce_dtype = self.mp_policy.reduce_dtype or self._compute_dtype(buffer)
-                handles.append(
-                    (
-                        buffer,
-                        buffer.reduce_scatter(
-                            op="sum" if factor is not None else "avg",
-                            divide_factor=factor,
-                            reduce_dtype=reduce_dtype,
-                            async_op=async_op,
-                        ),
-                    )
+                # The buffer holds the pending work (`wait_for_reduce` waits for it).
+                buffer.reduce_scatter(
+                    op="sum" if factor is not None else "avg",
+                    divide_factor=factor,
+                    reduce_dtype=reduce_dtype,
+                    async_op=async_op,
                 )
-        self._pending_reduce = _PendingReduce(handles, saved)
+        self._reduction = _Reduction(saved)
 
     def wait_for_reduce(self, config: GroupConfig) -> None:
         """Waits for the reduce-scatter and finishes the group's reduction.
@@ -304,29 +302,29 @@ class ParamGroup:
         Then all-reduces over the replicate axis (HSDP), runs the all-reduce hook and adds
         back the gradients the user kept.
         """
-        pending = self._pending_reduce
-        if pending is None or pending.done:
+        reduction = self._reduction
+        if reduction is None or reduction.finished:
             return
-        for buffer, handle in pending.handles:
+        for buffer in self.buffers:
             with profiler_range(f"FSDP::wait_for_reduce({self.label})"):
-                handle.wait()
+                buffer.wait_for_reduce()
             if config.requires_all_reduce and buffer.replicate_axis is not None:
                 buffer.all_reduce(
                     op=self._reduce_op, reduce_dtype=self.mp_policy.reduce_dtype
                 ).wait()
             if config.all_reduce_hook is not None:
                 config.all_reduce_hook(buffer.local_grad)
-            old = pending.saved.get(buffer)
+            old = reduction.saved.get(buffer)
             if old is not None:
                 buffer.local_grad.add_(old)
-        pending.done = True
+        reduction.finished = True
 
     def release_unused_gradients(self) -> None:
         """Releases each DBuffer's gradient shard when no parameter's `.grad` points into it.
 
         The next reduce allocates a new one; gradients a user still holds keep their memory.
         """
-        if self._pending_reduce is not None:
+        if self._reduction is not None:
             return
         for buffer, members in self.members.items():
             if not [p for p in members if p.sharded.grad is not None and p.sharded.requires_grad]:
@@ -335,7 +333,7 @@ class ParamGroup:
     @property
     def has_reduce(self) -> bool:
         """Whether a reduce was issued whose gradients are not handed out yet."""
-        return self._pending_reduce is not None
+        return self._reduction is not None
 
     def received(self) -> list[bool]:
         """Per trainable parameter: whether it got a gradient on this rank since the reduce."""
@@ -364,7 +362,7 @@ class ParamGroup:
             elif current is not reduced:  # a gradient the user set: accumulate into it
                 current.add_(reduced)
         self._received.clear()
-        self._pending_reduce = None
+        self._reduction = None
         # Hooks registered on the sharded parameters (optimizer in backward) see the sharded
         # gradient, as in FSDP2; autograd ran none, as it only saw the gathered parameters.
         for sharded, hooks in post_accumulate_grad_hooks([p.sharded for p in assigned]):
