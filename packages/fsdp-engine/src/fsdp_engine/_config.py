@@ -1,5 +1,8 @@
 """GroupConfig: one `fully_shard` call's settings, frozen, replaced whole by each setter.
 
+RootSettings: the few settings that act on a whole root's tree (FSDP2 keeps them on the
+root), frozen too, on the root's shared `Context`, changed through `SettingsChange`s.
+
 Every knob of a group lives here and nowhere else: `fully_shard` builds the first one, the
 root's lazy init resolves `reshard_after_forward=None` (True except for the root), and each
 `FSDPModule.set_*` method writes a new one through `configure`, which honours `recurse`. The
@@ -41,3 +44,21 @@ class GroupConfig:
     force_sum_reduction: bool = False
     reduce_scatter_unused_params: bool = False
     all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+
+
+@dataclass(frozen=True)
+class RootSettings:
+    """What the setters that act on a whole root's tree set (FSDP2 keeps these on the root).
+
+    Attributes:
+        is_last_backward: The next backward waits for its reduces and sets the `.grad`s.
+        post_optim_event: An event the root's next forward waits for (then cleared).
+        manual_finalization: Backward passes keep the iteration open until `finalize`.
+    """
+
+    is_last_backward: bool = True
+    post_optim_event: Any = None
+    manual_finalization: bool = False
+
+
+SettingsChange = Callable[[RootSettings], RootSettings]

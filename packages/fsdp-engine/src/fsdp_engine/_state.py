@@ -5,7 +5,7 @@ The schedule, per iteration (FSDP2's, on DBuffers):
   and initializes the shared `Context` (its subtree's states in order); every state gathers
   its group (waiting for a prefetch if one was issued), issues the gather of the group that
   came next in the previous forward, casts the inputs (mixed precision) and, when autograd
-  records, routes the inputs' gradients through `_PostBackward` so it learns when its
+  records, routes the inputs' gradients through `PostBackward` so it learns when its
   module's backward is done;
 - post-forward: reshards unless it is the root (or told otherwise), records its place in the
   post-forward order (when a backward will follow) and hooks the outputs so that the first
@@ -29,13 +29,13 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from fsdp_engine._autograd import PostBackward, cast_floats, hook_outputs
 from fsdp_engine._compat import (
     in_backward,
-    map_tensors,
     profiler_range,
     queue_backward_callback,
 )
-from fsdp_engine._config import GroupConfig
+from fsdp_engine._config import GroupConfig, RootSettings, SettingsChange
 from fsdp_engine._group import ParamGroup, used_anywhere
 from fsdp_engine._spmd import refuse_spmd_type_checking
 
@@ -81,24 +81,6 @@ def states_under(modules: Iterable[nn.Module]) -> list[FSDPState]:
             if isinstance(state, FSDPState):
                 found.setdefault(id(state), state)
     return list(found.values())
-
-
-@dataclass(frozen=True)
-class RootSettings:
-    """What the setters that act on a whole root's tree set (FSDP2 keeps these on the root).
-
-    Attributes:
-        is_last_backward: The next backward waits for its reduces and sets the `.grad`s.
-        post_optim_event: An event the root's next forward waits for (then cleared).
-        manual_finalization: Backward passes keep the iteration open until `finalize`.
-    """
-
-    is_last_backward: bool = True
-    post_optim_event: Any = None
-    manual_finalization: bool = False
-
-
-SettingsChange = Callable[[RootSettings], RootSettings]
 
 
 @dataclass(eq=False)
@@ -342,11 +324,11 @@ class FSDPState:
                         self._prefetch(self._forward_targets(position), "forward")
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             dtype = self.mp_policy.param_dtype
-            args, kwargs = _cast_floats((args, kwargs), dtype)
+            args, kwargs = cast_floats((args, kwargs), dtype)
         if first and torch.is_grad_enabled() and self.group is not None:
             # Only the first module's inputs: their gradients come after the backward of
             # every module of the group (a list group runs its modules in sequence).
-            args, kwargs = _PostBackward.route(self, args, kwargs)
+            args, kwargs = PostBackward.route(self, args, kwargs)
         return args, kwargs
 
     def _start_root_forward(self, context: Context) -> None:
@@ -397,9 +379,9 @@ class FSDPState:
             context.root_in_forward = False
         output = self._finish_forward(output, recompute)
         if self.is_root and not recompute and context is not None and torch.is_grad_enabled():
-            output = _hook_outputs(output, context.reach_root_output, context.open_root_output)
+            output = hook_outputs(output, context.reach_root_output, context.open_root_output)
         if self.mp_policy.output_dtype is not None:
-            output = _cast_floats(output, self.mp_policy.output_dtype)
+            output = cast_floats(output, self.mp_policy.output_dtype)
         return output
 
     def _finish_forward(self, output: Any, recompute: bool) -> Any:
@@ -424,7 +406,7 @@ class FSDPState:
                 self.group.reshard(keep_part=type(after) is int)
         if torch.is_grad_enabled() and self.group is not None:
             started = [False]  # this run's backward (its outputs get several gradients)
-            output = _hook_outputs(output, lambda grad: self._pre_backward(grad, started))
+            output = hook_outputs(output, lambda grad: self._pre_backward(grad, started))
         return output
 
     def _forward_targets(self, position: int) -> Sequence[FSDPState]:
@@ -597,54 +579,3 @@ def finish_reduces(states: Sequence[FSDPState]) -> None:
         groups = [s.group for s in same_mesh if s.group is not None]
         for state, group, used in zip(same_mesh, groups, used_anywhere(groups), strict=True):
             group.assign_gradients(used, unused_too=state.config.reduce_scatter_unused_params)
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on a module's inputs; its backward runs after the module's backward."""
-
-    @staticmethod
-    def forward(ctx: Any, state: FSDPState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.state = state
-        return inputs
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.state.post_backward()
-        return (None, *grads)
-
-    @classmethod
-    def route(
-        cls, state: FSDPState, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        leaves: list[torch.Tensor] = []
-        _visit((args, kwargs), lambda t: leaves.append(t) if t.requires_grad else None)
-        if not leaves:
-            return args, kwargs
-        routed = iter(cls.apply(state, *leaves))  # type: ignore[no-untyped-call]
-        new_args, new_kwargs = map_tensors(
-            (args, kwargs), lambda t: next(routed) if t.requires_grad else t
-        )
-        return new_args, new_kwargs
-
-
-def _hook_outputs(
-    output: Any,
-    hook: Callable[[torch.Tensor], torch.Tensor],
-    on_hooked: Callable[[], None] | None = None,
-) -> Any:
-    def register(t: torch.Tensor) -> torch.Tensor:
-        if t.requires_grad:
-            t.register_hook(hook)  # type: ignore[no-untyped-call]
-            if on_hooked is not None:
-                on_hooked()
-        return t
-
-    return map_tensors(output, register)
-
-
-def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
-    return map_tensors(tree, lambda t: t.to(dtype) if t.is_floating_point() else t)
-
-
-def _visit(tree: Any, fn: Callable[[torch.Tensor], object]) -> None:
-    map_tensors(tree, lambda t: (fn(t), t)[1])
