@@ -9,6 +9,7 @@ import torch
 from ragged_optimizers import AdamW8bit, dequantize
 from ragged_optimizers import _blockwise as blockwise
 from ragged_optimizers import _native as native
+from ragged_optimizers._kernel_args import Piece8bit
 
 
 def _run(fused, shape, dtype, steps=4, lr_change=True, block_size=(32, 32), betas=(0.9, 0.999)):
@@ -199,7 +200,7 @@ def test_native_kernel_refuses_buffers_it_would_overrun() -> None:
     )
     tables = blockwise.code_tables(torch.device("cpu"))
     ok = buffers()
-    kernel(**ok, scalars=scalars, tables=tables, block=block)
+    kernel(Piece8bit(**ok), scalars, tables, block)
     assert ok["param"].ne(0).all()  # the well-formed call ran
     bad = [
         ("exp_avg_scale", torch.zeros(grid - 1), "5 torch.float32"),
@@ -211,11 +212,11 @@ def test_native_kernel_refuses_buffers_it_would_overrun() -> None:
     for name, tensor, got in bad:
         given = buffers(**{name: tensor})
         with pytest.raises(ValueError, match=f"{name}.*{got}"):
-            kernel(**given, scalars=scalars, tables=tables, block=block)
+            kernel(Piece8bit(**given), scalars, tables, block)
         assert given["param"].eq(0).all(), name  # refused before the kernel wrote anything
     before = ok["param"].clone()
     with pytest.raises(ValueError, match="scalars must be 7"):
-        kernel(**ok, scalars=scalars[:6], tables=tables, block=block)
+        kernel(Piece8bit(**ok), scalars[:6], tables, block)
     with pytest.raises(ValueError, match="signed_lookup must be 131072"):
-        kernel(**ok, scalars=scalars, tables=(*tables[:2], tables[2][:-1], tables[3]), block=block)
+        kernel(Piece8bit(**ok), scalars, (*tables[:2], tables[2][:-1], tables[3]), block)
     assert torch.equal(before, ok["param"])  # refused calls wrote nothing

@@ -22,6 +22,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 from ragged_optimizers._adamw import adamw_step, check_betas, check_nonnegative
 from ragged_optimizers._blockwise import BlockwiseKernel, Fused, KernelPath, step_scalars
+from ragged_optimizers._kernel_args import Piece8bit
 from ragged_optimizers._layout import ParamLayout, layout_of, local_flat
 from ragged_optimizers._runs import GroupRuns, Run, Segment
 from ragged_optimizers._step import StepOptimizer
@@ -222,16 +223,15 @@ class AdamW8bit(StepOptimizer):
                 weight_decay=group["weight_decay"],
                 device=local.device,
             )
-        self._kernel(
+        piece = Piece8bit(
             local.view(-1, cols),
             grad.view(-1, cols),
             run.part(run.state["exp_avg"], lo, hi).view(-1, cols),
             run.state["exp_avg_scale"][first:end],
             run.part(run.state["exp_avg_sq"], lo, hi).view(-1, cols),
             run.state["exp_avg_sq_scale"][first:end],
-            scalars[key],
-            block,
         )
+        self._kernel(piece, scalars[key], block)
 
     def _flat_state(self, run: Run, group: dict[str, Any], eight_bit: bool) -> None:
         """The run's flat state, zeros: codes and a scale grid (8-bit), or fp32 moments."""

@@ -31,6 +31,7 @@ from typing import Any, Literal
 import torch
 
 from ragged_optimizers._compat import compile_options, mark_dims_dynamic
+from ragged_optimizers._kernel_args import Piece8bit, Tables
 from ragged_optimizers._native import CpuKernel, NativeKernelError, load_cpu_kernel
 from ragged_optimizers._quantize import (
     blocked,
@@ -42,7 +43,6 @@ from ragged_optimizers._quantize import (
 
 logger = logging.getLogger(__name__)
 
-Tables = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 Fused = bool | Literal["native", "compiled"] | None
 
 # The float32 scalars of one step, in this order (computed in float64 by `step_scalars`).
@@ -165,12 +165,7 @@ def _zero_code(signed: bool) -> int:
 
 
 def blockwise_adamw(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_scale: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    exp_avg_sq_scale: torch.Tensor,
+    piece: Piece8bit,
     scalars: torch.Tensor,
     tables: Tables,
     block: tuple[int, int],
@@ -184,13 +179,8 @@ def blockwise_adamw(
     block's absmax as it is), then copied back.
 
     Args:
-        param: (rows, cols), any float dtype, contiguous; updated in float32 and stored back.
-        grad: Its gradient, same shape, contiguous.
-        exp_avg: uint8 codes of the first moment (signed map), same shape.
-        exp_avg_scale: float32 scale per block, (ceil(rows / block_rows), ceil(cols /
-            block_cols)).
-        exp_avg_sq: uint8 codes of the second moment (unsigned map).
-        exp_avg_sq_scale: Its scales.
+        piece: The parameter (updated in float32 and stored back), its gradient and both
+            moments' codes and scales.
         scalars: `step_scalars(...)` on param's device.
         tables: `code_tables(param.device)`: both maps and both code lookups.
         block: (block_rows, block_cols).
@@ -201,12 +191,13 @@ def blockwise_adamw(
         >>> codes, scales = torch.full((2, 3), 127, dtype=torch.uint8), torch.zeros(1, 1)
         >>> s = step_scalars(step=1, lr=0.1, betas=(0.9, 0.999), eps=0.0, weight_decay=0.0,
         ...                  device=p.device)
-        >>> blockwise_adamw(p, g, codes, scales, codes.clone(), scales.clone(), s,
-        ...                 code_tables(p.device), (32, 32))
+        >>> piece = Piece8bit(p, g, codes, scales, codes.clone(), scales.clone())
+        >>> blockwise_adamw(piece, s, code_tables(p.device), (32, 32))
         >>> p  # the first step moves every element by lr
         tensor([[0.9000, 0.9000, 0.9000],
                 [0.9000, 0.9000, 0.9000]])
     """
+    param, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale = piece
     rows, cols = param.shape
     block_rows, block_cols = block
     grid = exp_avg_scale.shape
@@ -220,23 +211,13 @@ def blockwise_adamw(
             for t, fill in zip((param, grad, exp_avg, exp_avg_sq), fills, strict=True)
         ]
     p4, g4, m4, v4 = tensors
-    update(p4, g4, m4, exp_avg_scale, v4, exp_avg_sq_scale, scalars, tables)
+    update(*Piece8bit(p4, g4, m4, exp_avg_scale, v4, exp_avg_sq_scale), scalars, tables)
     if p4.data_ptr() != param.data_ptr():
-        for piece, blocks in ((param, p4), (exp_avg, m4), (exp_avg_sq, v4)):
-            piece.copy_(unblocked(blocks, rows, cols))
+        for target, blocks in ((param, p4), (exp_avg, m4), (exp_avg_sq, v4)):
+            target.copy_(unblocked(blocks, rows, cols))
 
 
-# blockwise_adamw's arguments before `block`: six piece tensors, the scalars and the tables.
-_Args = tuple[
-    torch.Tensor,
-    torch.Tensor,
-    torch.Tensor,
-    torch.Tensor,
-    torch.Tensor,
-    torch.Tensor,
-    torch.Tensor,
-    Tables,
-]
+_Args = tuple[Piece8bit, torch.Tensor, Tables]  # blockwise_adamw's before `block`
 
 
 @dataclass(frozen=True)
@@ -283,7 +264,7 @@ class BlockwiseKernel:
         >>> codes, scales = torch.full((2, 3), 127, dtype=torch.uint8), torch.zeros(1, 1)
         >>> s = step_scalars(step=1, lr=0.1, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
         ...                  device=p.device)
-        >>> kernel(p, g, codes, scales, codes.clone(), scales.clone(), s, (32, 32))
+        >>> kernel(Piece8bit(p, g, codes, scales, codes.clone(), scales.clone()), s, (32, 32))
         >>> str(kernel.paths["cpu"])
         'eager (cpu: fused=False)'
     """
@@ -299,24 +280,12 @@ class BlockwiseKernel:
         self._compiled_update: Callable[..., None] | None = None
         self._cpu_kernel: CpuKernel | None = None
 
-    def __call__(
-        self,
-        param: torch.Tensor,
-        grad: torch.Tensor,
-        exp_avg: torch.Tensor,
-        exp_avg_scale: torch.Tensor,
-        exp_avg_sq: torch.Tensor,
-        exp_avg_sq_scale: torch.Tensor,
-        scalars: torch.Tensor,
-        block: tuple[int, int],
-    ) -> None:
-        tables = code_tables(param.device)
-        moments = (exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale)
-        args: _Args = (param, grad, *moments, scalars, tables)
-        device_type = param.device.type
-        path = self.paths.get(device_type)
+    def __call__(self, piece: Piece8bit, scalars: torch.Tensor, block: tuple[int, int]) -> None:
+        device = piece.param.device
+        args = (piece, scalars, code_tables(device))
+        path = self.paths.get(device.type)
         if path is None:
-            path = self.paths[device_type] = self._first_call(device_type, args, block)
+            path = self.paths[device.type] = self._first_call(device.type, args, block)
         elif path.kind == "native":
             assert self._cpu_kernel is not None
             self._cpu_kernel(*args, block)

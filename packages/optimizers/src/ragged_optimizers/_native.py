@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from ragged_optimizers._kernel_args import Piece8bit, Tables
 from ragged_optimizers._quantize import _KEY_MASK
 
 _SOURCE = Path(__file__).with_name("_adamw8bit_cpu.cpp")
@@ -69,22 +70,14 @@ class CpuKernel:
     build_seconds: float
 
     def __call__(
-        self,
-        param: torch.Tensor,
-        grad: torch.Tensor,
-        exp_avg: torch.Tensor,
-        exp_avg_scale: torch.Tensor,
-        exp_avg_sq: torch.Tensor,
-        exp_avg_sq_scale: torch.Tensor,
-        scalars: torch.Tensor,
-        tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-        block: tuple[int, int],
+        self, piece: Piece8bit, scalars: torch.Tensor, tables: Tables, block: tuple[int, int]
     ) -> None:
         """One AdamW8bit step on a contiguous 2-D CPU piece, in place (as `blockwise_adamw`).
 
         A parameter of another float dtype than float32 or bfloat16 is updated through a
         float32 copy, which rounds exactly as the eager path's `param.copy_(p)` does.
         """
+        param, grad, exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale = piece
         work, work_grad = param, grad
         if param.dtype not in _FLOAT_DTYPES or grad.dtype != param.dtype:
             work, work_grad = param.float(), grad.float()
