@@ -86,3 +86,22 @@ def test_ci_keeps_one_torch_venv_at_a_time() -> None:
     assert read, "noxfile.py reads no variable that drops the test venvs"
     ci = (ROOT / ".ci" / "run").read_text()
     assert re.search(rf"^export {read[1]}=1$", ci, re.M), f".ci/run does not set {read[1]}"
+
+
+def test_helper_modules_on_pytest_pythonpath_have_unique_names() -> None:
+    # pytest's `pythonpath` puts every tests folder on sys.path: a helper module named like
+    # another folder's would shadow it silently in whichever imports second. Test modules
+    # (test_*.py, conftest.py) are imported by path (--import-mode=importlib), so they may
+    # repeat.
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    folders = config["tool"]["pytest"]["ini_options"]["pythonpath"]
+    assert "packages/dbuffer/tests" in folders, folders
+    owners: dict[str, list[str]] = {}
+    for folder in folders:
+        for path in sorted((ROOT / folder).glob("*.py")):
+            if path.name.startswith("test_") or path.name == "conftest.py":
+                continue
+            owners.setdefault(path.stem, []).append(folder)
+    repeated = {name: where for name, where in owners.items() if len(where) > 1}
+    assert not repeated, f"helper modules named alike in several pythonpath folders: {repeated}"
+    assert "rank_pool" in owners and "dbuffer_cases" in owners, sorted(owners)

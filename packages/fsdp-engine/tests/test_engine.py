@@ -34,51 +34,6 @@ def test_block_rows_never_cut_a_block(pools, world) -> None:
     pools[world].run(cases.check_block_rows_layout)
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
-def test_fsdp_module_methods(pools, world) -> None:
-    pools[world].run(cases.check_fsdp_module_methods)
-
-
-@pytest.mark.parametrize("world", [1, 3])
-def test_bad_input(pools, world) -> None:
-    pools[world].run(cases.check_bad_input)
-
-
-@pytest.mark.parametrize(
-    ("saver", "loader"), [("ours", "ours"), ("fsdp2", "ours"), ("ours", "fsdp2")]
-)
-def test_checkpoint_reshards_and_interoperates_with_fsdp2(pools, tmp_path, saver, loader) -> None:
-    # Saved at W=4, loaded bit-exactly (model and AdamW state) at 4, 2 and 3.
-    pools[4].run(cases.check_checkpoint_save, str(tmp_path), saver)
-    # Resuming is bit-exact with the same engine (the same reductions in the same order).
-    pools[4].run(cases.check_checkpoint_load, str(tmp_path), loader, saver == loader)
-    for world in (2, 3):
-        pools[world].run(cases.check_checkpoint_load, str(tmp_path), loader, False)
-
-
-@pytest.mark.parametrize("world", [1, 3, 4])
-def test_meta_device_init_equals_one_process_and_allocates_one_shard(pools, world) -> None:
-    for r in pools[world].run(cases.check_meta_init):
-        peak, shard, model = r["peak"], r["shard_bytes"], r["model_bytes"]
-        print(f"world {world}: peak {peak} B, shard {shard} B, model {model} B")
-
-
-@pytest.mark.parametrize("world", [1, 2, 3])
-def test_outputs_keep_their_class_and_hooks(pools, world) -> None:
-    for kind in ("dataclass", "dict", "registered"):
-        pools[world].run(cases.check_output_containers, kind)
-
-
-@pytest.mark.parametrize("world", [1, 2])
-def test_schedule_follows_each_iteration(pools, world) -> None:
-    pools[world].run(cases.check_schedule_follows_each_iteration)
-
-
-@pytest.mark.parametrize("world", [1, 3])
-def test_load_full_state_dict_from_rank0(pools, world) -> None:
-    pools[world].run(cases.check_load_full_state_dict)
-
-
 @pytest.mark.parametrize("world", [2, 3])
 def test_one_copy_per_gradient_and_no_interleaving_copies(pools, world) -> None:
     ours = pools[world].run(cases.check_copies, "ours")
@@ -121,19 +76,5 @@ def test_collectives_overlap_compute(pools, world) -> None:
 
 
 @pytest.mark.parametrize("world", [1, 3])
-def test_schedule_setters(pools, world) -> None:
-    pools[world].run(cases.check_schedule_setters)
-
-
-def test_requires_all_reduce_hsdp(pools) -> None:
-    pools[4].run(cases.check_requires_all_reduce)
-
-
-@pytest.mark.parametrize("world", [1, 3])
 def test_gradient_shards_are_released_after_zero_grad(pools, world) -> None:
     pools[world].run(cases.check_gradient_shards_released)
-
-
-@pytest.mark.parametrize("world", [1, 3])
-def test_half_done_iterations_are_refused_then_reset(pools, world) -> None:
-    pools[world].run(cases.check_training_states_after_errors)

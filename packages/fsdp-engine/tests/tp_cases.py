@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from engine_cases import full_state
+from engine_checkpoint_cases import full_state
 from low_precision import assert_as_accurate
 from parallel import gather_rows, sum_and_take_rows
 from rank_pool import expect_error

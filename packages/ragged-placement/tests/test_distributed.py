@@ -2,15 +2,7 @@
 
 import pytest
 import ragged_cases as cases
-
-WORLD_SIZES = [1, 2, 3, 4]
-# Balanced, uneven with an empty rank, and one-hot units for each world size.
-UNITS = {
-    1: [(1,), (3,)],
-    2: [(1, 1), (3, 1), (0, 2)],
-    3: [(1, 1, 1), (2, 0, 3), (0, 1, 0)],
-    4: [(1, 1, 1, 1), (1, 0, 4, 2), (0, 0, 1, 0)],
-}
+from ragged_support import UNITS, WORLD_SIZES
 
 
 def _shapes(units):
@@ -73,86 +65,6 @@ def test_one_hot_gather_moves_data_only_to_the_owner(pools, world) -> None:
     assert results[owner]["received"] == (world - 1) * 3 * 4 * 4
 
 
-@pytest.mark.parametrize("world", WORLD_SIZES)
-def test_autograd(pools, world) -> None:
-    for units in UNITS[world]:
-        pools[world].run(cases.check_autograd, (2 * sum(units), 3), units)
-
-
-@pytest.mark.parametrize("world", WORLD_SIZES)
-def test_autograd_through_from_local_every_placement_pair(pools, world) -> None:
-    for units in UNITS[world]:
-        checked = pools[world].run(cases.check_from_local_autograd, (2 * sum(units), 3), units)
-        assert checked == [11] * world, checked  # 3 sources x 4 targets, less Shard->Shard, + 1
-
-
-@pytest.mark.parametrize("world", WORLD_SIZES)
-def test_elementwise_and_foreach_ops(pools, world) -> None:
-    for units in UNITS[world]:
-        for dtype in ("fp32", "bf16"):
-            pools[world].run(cases.check_elementwise, (2 * sum(units), 3), units, dtype)
-
-
-@pytest.mark.parametrize("world", WORLD_SIZES)
-def test_elementwise_foreach_ops_run_on_the_locals(pools, world) -> None:
-    for units in UNITS[world]:
-        pools[world].run(cases.check_foreach_on_locals, units)
-
-
-@pytest.mark.parametrize("world", WORLD_SIZES)
-def test_foreach_ops_are_decided_entry_by_entry(pools, world) -> None:
-    for units in UNITS[world]:
-        pools[world].run(cases.check_foreach_decisions, units)
-
-
-@pytest.mark.parametrize("world", WORLD_SIZES)
-def test_reductions(pools, world) -> None:
-    for units in UNITS[world]:
-        pools[world].run(cases.check_reductions, (2 * sum(units), 3), units)
-
-
-@pytest.mark.parametrize("world", WORLD_SIZES)
-def test_reductions_along_dims(pools, world) -> None:
-    for units in UNITS[world]:
-        pools[world].run(cases.check_reductions_along_dims, units)
-
-
-@pytest.mark.parametrize("world", WORLD_SIZES)
-def test_views_factories_and_gathered_ops(pools, world) -> None:
-    for units in UNITS[world]:
-        pools[world].run(cases.check_views_factories_and_gathered_ops, units)
-
-
-@pytest.mark.parametrize("world", WORLD_SIZES)
-def test_clip_grad_norm_over_mixed_placements(pools, world) -> None:
-    for units in UNITS[world]:
-        if 12 % sum(units) == 0:
-            pools[world].run(cases.check_clip_grad_norm, units)
-
-
-@pytest.mark.parametrize("world", WORLD_SIZES)
-@pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
-def test_optimizers_match_single_process(pools, world, name) -> None:
-    units = UNITS[world]
-    for impl in ("for-loop", "foreach", "fused"):
-        pools[world].run(cases.check_optimizer, name, impl, units[0], units[-1])
-
-
-@pytest.mark.parametrize("world", WORLD_SIZES)
-def test_random_fills_equal_one_process(pools, world) -> None:
-    for units in UNITS[world]:
-        pools[world].run(cases.check_random_fills, "1d", units)
-    if world == 4:
-        pools[4].run(cases.check_random_fills, "tp", (1, 2))
-
-
-@pytest.mark.parametrize("world", WORLD_SIZES)
-def test_load_full_state_dict(pools, world) -> None:
-    for units in UNITS[world]:
-        for broadcast in (False, True):
-            pools[world].run(cases.check_load_full_state_dict, broadcast, units)
-
-
 def test_hsdp_on_a_2x2_mesh(pools) -> None:
     for units in [(1, 1), (3, 1), (0, 2)]:
         pools[4].run(cases.check_hsdp, (2 * sum(units), 3), units)
@@ -161,27 +73,3 @@ def test_hsdp_on_a_2x2_mesh(pools) -> None:
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_bad_input_raises_value_error(pools, world) -> None:
     pools[world].run(cases.check_bad_input)
-
-
-def test_checkpoint_save_on_4_load_on_2_3_4(pools, tmp_path) -> None:
-    path = str(tmp_path / "ckpt")
-    results = pools[4].run(cases.check_dcp_save, path, (1, 0, 4, 7))
-    total = sum(r["data_bytes"] for r in results)
-    for r in results:
-        # Only plans and metadata cross ranks (tens of KB), never the tensor data (1.5 MB).
-        assert r["collective_bytes"] < 0.05 * total, (r, total)
-    pools[4].run(cases.check_dcp_load, path, "ragged", (3, 1, 1, 1))
-    for world, units in ((2, (1, 2)), (3, (0, 1, 1))):
-        for kind in ("ragged", "shard0", "replicate"):
-            pools[world].run(cases.check_dcp_load, path, kind, units)
-
-
-@pytest.mark.parametrize("layout", ["tp", "ep"])
-def test_composition_with_shard_on_the_other_axis(pools, layout, tmp_path) -> None:
-    for i, units in enumerate([(1, 1), (3, 1), (0, 2)]):
-        pools[4].run(cases.check_with_tensor_parallel, layout, units, str(tmp_path / f"ckpt{i}"))
-
-
-def test_strided_ragged_shard(pools, tmp_path) -> None:
-    for i, units in enumerate([(1, 1), (3, 1), (0, 2)]):
-        pools[4].run(cases.check_strided, units, str(tmp_path / f"ckpt{i}"))

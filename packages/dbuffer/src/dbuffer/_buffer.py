@@ -33,16 +33,15 @@ from torch.distributed.tensor import DTensor
 
 from dbuffer._checks import (
     BlockRows,
+    block_rows_by_name,
     check_align_bytes,
     check_axis,
-    check_block_rows,
     check_dtype,
     check_layout,
     check_name,
     check_num_shard_dims,
     check_tensors,
     renamed_keyword,
-    rows_of,
 )
 from dbuffer._comm import ShardComm, comm_for
 from dbuffer._freeable import FreeableBuffer, check_freed_default
@@ -68,7 +67,9 @@ class DBuffer:
         shard_axis: Mesh axis the buffer is sharded over.
         replicate_axis: Mesh axis it is replicated over (HSDP), or None.
         block_rows: Rows per unshardable block: one int for all, a mapping by name (missing
-            names get 1), or a function of (name, shape).
+            names get 1), or a function of (name, tensor) with the tensor as given (as
+            `fully_shard`'s of (fqn, param)). A function whose second parameter is named
+            `shape` gets the shape instead (the former contract; deprecated).
         num_shard_dims: How many leading dims a shard boundary may cut (a row is then
             `shape[num_shard_dims:]`): one int for all or a mapping by name (missing names get
             1). For a fused expert weight of shape (E, H, F), 2 lets shards cut inside an
@@ -110,6 +111,7 @@ class DBuffer:
             "replicate_dim", replicate_dim, "replicate_axis", replicate_axis
         )
         tensors = list(tensors)
+        given = list(tensors)  # what a block_rows function sees
         # DTensor entries (sharded over other axes): the local piece is what gets planned.
         self._outer: dict[str, OuterSpec] = {}
         for index, (name, t) in enumerate(tensors):
@@ -132,21 +134,19 @@ class DBuffer:
             )
         first = tensors[0][1]
         self.dtype, self.device = first.dtype, first.device
-        check_block_rows(block_rows, {name for name, _ in tensors})
+        rows = block_rows_by_name(block_rows, given)
         cut_dims = check_num_shard_dims(num_shard_dims, tensors)
         self._shapes = {name: t.shape for name, t in tensors}
         world = mesh.size(self.shard_axis)
         specs = [
-            TensorSpec.from_shape(
-                name, t.shape, rows_of(block_rows, name, t.shape), num_shard_dims=cut_dims[name]
-            )
+            TensorSpec.from_shape(name, t.shape, rows[name], num_shard_dims=cut_dims[name])
             for name, t in tensors
         ]
         for name, outer in self._outer.items():
             shape = self._shapes[name]
-            rows = rows_of(block_rows, name, shape)  # already checked by TensorSpec above
             num_rows = math.prod(shape[: cut_dims[name]]) if shape else 1
-            check_rows_within_piece(name, outer, num_rows, rows)
+            # rows[name] was checked by TensorSpec above
+            check_rows_within_piece(name, outer, num_rows, rows[name])
         align = check_align_bytes(align_bytes, first.element_size())
         self.layout = layout if layout is not None else plan_layout(specs, world, align=align)
         check_layout(self.layout, specs, world)

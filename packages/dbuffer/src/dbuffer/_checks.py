@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 
@@ -10,27 +11,48 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shard_planner import Layout, TensorSpec
 
-BlockRows = int | Mapping[str, int] | Callable[[str, torch.Size], int]
+# One contract with fully_shard's `block_rows` (fqn, param): a function of (name, tensor).
+BlockRows = int | Mapping[str, int] | Callable[[str, torch.Tensor], int]
 
 
-def rows_of(block_rows: BlockRows, name: str, shape: torch.Size) -> int:
+def _takes_shape(fn: Callable[..., int]) -> bool:
+    """Whether `fn` is the deprecated (name, shape) form: its second parameter is `shape`."""
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # builtins without a signature: the current form
+        return False
+    return len(params) >= 2 and params[1] == "shape"
+
+
+def block_rows_by_name(
+    block_rows: BlockRows, tensors: Sequence[tuple[str, torch.Tensor]]
+) -> dict[str, int]:
+    """Each tensor's rows per block (values are checked where the specs are built).
+
+    `tensors` are what the caller gave (a DTensor entry as given, not its local piece).
+    """
+    names = [name for name, _ in tensors]
     if isinstance(block_rows, int):
-        return block_rows
+        return dict.fromkeys(names, block_rows)
     if isinstance(block_rows, Mapping):
-        return block_rows.get(name, 1)
-    if callable(block_rows):
-        return block_rows(name, shape)
-    raise TypeError(
-        f"block_rows must be an int, a mapping of name to int, or a function of (name, shape); "
-        f"got {type(block_rows).__name__}"
-    )
-
-
-def check_block_rows(block_rows: BlockRows, names: set[str]) -> None:
-    if isinstance(block_rows, Mapping):
-        unknown = sorted(set(block_rows) - names)
+        unknown = sorted(set(block_rows) - set(names))
         if unknown:
             raise ValueError(f"block_rows names tensors that are not in the DBuffer: {unknown}")
+        return {name: block_rows.get(name, 1) for name in names}
+    if callable(block_rows):
+        if _takes_shape(block_rows):
+            warnings.warn(
+                "DBuffer(block_rows=f) with f(name, shape) is deprecated: f now takes "
+                "(name, tensor), as fully_shard's block_rows takes (fqn, param)",
+                DeprecationWarning,
+                3,
+            )
+            return {name: block_rows(name, t.shape) for name, t in tensors}  # type: ignore[arg-type]
+        return {name: block_rows(name, t) for name, t in tensors}
+    raise TypeError(
+        f"block_rows must be an int, a mapping of name to int, or a function of (name, "
+        f"tensor); got {type(block_rows).__name__}"
+    )
 
 
 def check_num_shard_dims(

@@ -25,6 +25,7 @@ from dbuffer._compat import all_gather_single, profiler_range, reduce_scatter_si
 OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}
 
 Works = list[dist.Work | None]
+Op = dist.ReduceOp.RedOpType
 
 
 class ShardComm:
@@ -65,7 +66,12 @@ class ShardComm:
         `input` may be this rank's chunk of `output` (gathering in place). `label` names the
         profiler range around the collective.
         """
-        raise NotImplementedError(f"{type(self).__name__}.all_gather")
+        if self.size == 1:
+            if input.data_ptr() != output.data_ptr():
+                output.copy_(input)
+            return []
+        with profiler_range(label):
+            return self._all_gather(output, input, async_op)
 
     def reduce_scatter(
         self, output: torch.Tensor | None, input: torch.Tensor, *, op: str, async_op: bool
@@ -75,32 +81,33 @@ class ShardComm:
         `output` receives it, unless `reduces_in_place` (then it may be None, and the result
         is this rank's chunk of `input`).
         """
-        raise NotImplementedError(f"{type(self).__name__}.reduce_scatter")
+        if self.size == 1:
+            return [], input
+        if output is None and not self.reduces_in_place:
+            raise ValueError(f"{type(self).__name__}.reduce_scatter needs an output tensor")
+        with profiler_range("DBuffer::reduce_scatter"):
+            return self._reduce_scatter(output, input, OPS[op], async_op)
+
+    def _all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool) -> Works:
+        raise NotImplementedError(f"{type(self).__name__}._all_gather")
+
+    def _reduce_scatter(
+        self, output: torch.Tensor | None, input: torch.Tensor, op: Op, async_op: bool
+    ) -> tuple[Works, torch.Tensor]:
+        raise NotImplementedError(f"{type(self).__name__}._reduce_scatter")
 
 
 class NativeComm(ShardComm):
     """The backend's single-tensor collectives."""
 
-    def all_gather(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        *,
-        async_op: bool,
-        label: str = "DBuffer::all_gather",
-    ) -> Works:
-        with profiler_range(label):
-            return [all_gather_single(output, input, group=self.group, async_op=async_op)]
+    def _all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool) -> Works:
+        return [all_gather_single(output, input, group=self.group, async_op=async_op)]
 
-    def reduce_scatter(
-        self, output: torch.Tensor | None, input: torch.Tensor, *, op: str, async_op: bool
+    def _reduce_scatter(
+        self, output: torch.Tensor | None, input: torch.Tensor, op: Op, async_op: bool
     ) -> tuple[Works, torch.Tensor]:
-        if output is None:
-            raise ValueError("NativeComm.reduce_scatter needs an output tensor")
-        with profiler_range("DBuffer::reduce_scatter"):
-            work = reduce_scatter_single(
-                output, input, op=OPS[op], group=self.group, async_op=async_op
-            )
+        assert output is not None  # checked by reduce_scatter
+        work = reduce_scatter_single(output, input, op=op, group=self.group, async_op=async_op)
         return [work], output
 
 
@@ -114,55 +121,27 @@ class GlooInPlaceComm(ShardComm):
         # Each rank's global rank: the source of the broadcast of its chunk.
         self._sources = dist.get_process_group_ranks(group)
 
-    def all_gather(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        *,
-        async_op: bool,
-        label: str = "DBuffer::all_gather",
-    ) -> Works:
+    def _all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool) -> Works:
         mine = self.chunk(output)
         if input.data_ptr() != mine.data_ptr():
             mine.copy_(input)
         size = mine.numel()
-        with profiler_range(label):
-            return [
-                dist.broadcast(
-                    output.narrow(0, index * size, size), source, self.group, async_op=async_op
-                )
-                for index, source in enumerate(self._sources)
-            ]
+        return [
+            dist.broadcast(output.narrow(0, i * size, size), source, self.group, async_op)
+            for i, source in enumerate(self._sources)
+        ]
 
-    def reduce_scatter(
-        self, output: torch.Tensor | None, input: torch.Tensor, *, op: str, async_op: bool
+    def _reduce_scatter(
+        self, output: torch.Tensor | None, input: torch.Tensor, op: Op, async_op: bool
     ) -> tuple[Works, torch.Tensor]:
-        with profiler_range("DBuffer::reduce_scatter"):
-            work = dist.all_reduce(input, op=OPS[op], group=self.group, async_op=async_op)
+        work = dist.all_reduce(input, op=op, group=self.group, async_op=async_op)
         return [work], self.chunk(input)
 
 
 class OneRankComm(ShardComm):
-    """A group of one rank: nothing crosses a wire."""
+    """A group of one rank: nothing crosses a wire (`ShardComm`'s own methods say so)."""
 
     reduces_in_place = True
-
-    def all_gather(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        *,
-        async_op: bool,
-        label: str = "DBuffer::all_gather",
-    ) -> Works:
-        if input.data_ptr() != output.data_ptr():
-            output.copy_(input)
-        return []
-
-    def reduce_scatter(
-        self, output: torch.Tensor | None, input: torch.Tensor, *, op: str, async_op: bool
-    ) -> tuple[Works, torch.Tensor]:
-        return [], input
 
 
 def _cpu_backend_is_gloo(group: dist.ProcessGroup) -> bool:

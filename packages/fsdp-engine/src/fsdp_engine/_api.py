@@ -6,7 +6,7 @@ import os
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar, overload
+from typing import Any, TypedDict, TypeVar, Unpack, overload
 
 import torch
 import torch.distributed as dist
@@ -57,34 +57,25 @@ def _record_managed(param: nn.Parameter, label: str) -> None:
     _MANAGED[key] = (weakref.ref(param, lambda _: _MANAGED.pop(key, None)), label)
 
 
-@overload
-def fully_shard(
-    module: M,
-    *,
-    mesh: DeviceMesh | None = ...,
-    reshard_after_forward: bool | int | None = ...,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
-    mp_policy: MixedPrecisionPolicy = ...,
-    offload_policy: OffloadPolicy = ...,
-    ignored_params: set[nn.Parameter] | None = ...,
-    block_rows: BlockRowsArg = ...,
-    dp_mesh_dims: Any = ...,
-) -> M: ...
+class _ShardOptions(TypedDict, total=False):
+    """`fully_shard`'s keywords, for its overloads (the implementation spells them out)."""
+
+    mesh: DeviceMesh | None
+    reshard_after_forward: bool | int | None
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None
+    mp_policy: MixedPrecisionPolicy
+    offload_policy: OffloadPolicy
+    ignored_params: set[nn.Parameter] | None
+    block_rows: BlockRowsArg
+    dp_mesh_dims: Any
 
 
 @overload
-def fully_shard(
-    module: list[nn.Module],
-    *,
-    mesh: DeviceMesh | None = ...,
-    reshard_after_forward: bool | int | None = ...,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
-    mp_policy: MixedPrecisionPolicy = ...,
-    offload_policy: OffloadPolicy = ...,
-    ignored_params: set[nn.Parameter] | None = ...,
-    block_rows: BlockRowsArg = ...,
-    dp_mesh_dims: Any = ...,
-) -> list[nn.Module]: ...
+def fully_shard(module: M, **options: Unpack[_ShardOptions]) -> M: ...
+
+
+@overload
+def fully_shard(module: list[nn.Module], **options: Unpack[_ShardOptions]) -> list[nn.Module]: ...
 
 
 def fully_shard(

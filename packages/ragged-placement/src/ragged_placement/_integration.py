@@ -52,15 +52,7 @@ class RaggedHooks:
     def schema_is_ragged(self, schema: OpSchema) -> bool:
         return schema_has_ragged(schema)
 
-    def redistribute(
-        self,
-        local: torch.Tensor,
-        current: DTensorSpec,
-        target: DTensorSpec,
-        original: Callable[..., torch.Tensor],
-        async_op: bool,
-    ) -> torch.Tensor:
-        return redistribute_ragged(local, current, target, original, async_op=async_op)
+    redistribute = staticmethod(redistribute_ragged)
 
     def distribute(
         self,

@@ -171,7 +171,6 @@ def redistribute_ragged(
     current: DTensorSpec,
     target: DTensorSpec,
     original: Original,
-    *,
     async_op: bool = False,
 ) -> torch.Tensor:
     """Moves `local` from spec `current` to spec `target` (see the module docstring).
@@ -191,10 +190,10 @@ def redistribute_ragged(
     if strided_axes(current.placements) is not None:
         local, current = _unstride(local, current), unstrided(current)
     if strided_axes(target.placements) is not None:
-        piece = _redistribute_plain(local, current, unstrided(target), original)
+        piece = _redistribute_plain(local, current, unstrided(target), original, False)
         lo, hi, _ = strided_chunk(target)
         return piece.reshape(-1)[lo:hi].clone()
-    return _redistribute_plain(local, current, target, original, async_op=async_op)
+    return _redistribute_plain(local, current, target, original, async_op)
 
 
 def _redistribute_plain(
@@ -202,8 +201,7 @@ def _redistribute_plain(
     current: DTensorSpec,
     target: DTensorSpec,
     original: Original,
-    *,
-    async_op: bool = False,
+    async_op: bool,
 ) -> torch.Tensor:
     # Both specs were validated by redistribute_ragged (unstriding keeps them valid).
     mesh_shape = tuple(current.mesh.shape)
