@@ -12,11 +12,9 @@ Memory model (see docs/architecture.md, "DBuffer"):
 - How bytes move (native collectives, gloo in place, one rank) is chosen once per buffer
   (`_comm.py`); the gradients (global gradient buffer, reduce-scatter into `local_grad`,
   HSDP all-reduce) are their own pipeline (`_gradients.py`), which this class fronts.
-- Freed memory: `full()` raises while resharded, and a backward that needs a view autograd
-  saved raises autograd's version error while its memory is freed; with `check_freed` every
-  op on a view checks too (`_freeable.py`, `_views.py`). On CUDA frees are ordered with
-  explicit stream waits, not `record_stream` (`_streams.py`), and a collective's Handle makes
-  the reading stream wait for it.
+- Freed memory: `full()` raises while resharded, as does a backward that needs a freed view
+  (autograd's version error); `check_freed` checks every op on a view too (`_freeable.py`,
+  `_views.py`). On CUDA, frees and Handles order streams by explicit waits (`_streams.py`).
 """
 
 from __future__ import annotations
@@ -162,6 +160,7 @@ class DBuffer:
         # Global (unsharded) buffers by dtype, and the unshards still in flight into them.
         self._global: dict[torch.dtype, FreeableBuffer] = {}
         self._pending_unshards: dict[torch.dtype, Handle] = {}
+        self._unsharded = False  # some global buffer holds memory (read on every hook)
         # What `reshard(keep_group=...)` kept of each global buffer, and the comm to gather
         # it with at the next unshard.
         self._kept: dict[torch.dtype, tuple[ShardComm, torch.Tensor]] = {}
@@ -279,6 +278,7 @@ class DBuffer:
                 check_freed=self.check_freed,
             )
             self._global[dtype] = memory
+        self._unsharded = True
         return memory.allocate()
 
     def unshard(self, *, dtype: torch.dtype | None = None, async_op: bool = False) -> Handle:
@@ -354,6 +354,7 @@ class DBuffer:
                     self._kept[dtype] = (keep, keep.chunk(whole).clone())
         for memory in self._global.values():
             memory.free()
+        self._unsharded = False
 
     def _keep_comm(self, keep_group: dist.ProcessGroup) -> ShardComm:
         """The comm over `keep_group`, once checked (it is given after every forward)."""
@@ -384,7 +385,7 @@ class DBuffer:
     @property
     def is_unsharded(self) -> bool:
         """Whether any global buffer holds memory (an unshard ran and no reshard since)."""
-        return any(memory.allocated for memory in self._global.values())
+        return self._unsharded
 
     def full(self, name: str, *, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The unsharded tensor: a view of the global buffer, the same object every time.

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp_engine._compat import norm_keys
+from fsdp_engine._compat import foreach_mul_, foreach_norm, norm_keys
 from ragged_placement import flat_runs
 
 
@@ -93,7 +93,7 @@ def clip_grad_norm_(
         for flat in flats:
             by_device.setdefault(flat.device, []).append(flat)
     for flat_device, flats in by_device.items():
-        torch._foreach_mul_(flats, coef if flat_device == coef.device else coef.to(flat_device))
+        foreach_mul_(flats, coef if flat_device == coef.device else coef.to(flat_device))
     return total
 
 
@@ -134,7 +134,7 @@ def _flat_groups(grads: list[torch.Tensor]) -> _Groups:
 
 def _local_norm(flats: list[torch.Tensor], p: float) -> torch.Tensor:
     """The p-norm of this rank's pieces (0-d, in the gradients' dtype)."""
-    return _combined(list(torch._foreach_norm(flats, p)), p, flats[0].device)
+    return _combined(list(foreach_norm(flats, p)), p, flats[0].device)
 
 
 def _reduced_norm(

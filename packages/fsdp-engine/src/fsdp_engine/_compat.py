@@ -79,6 +79,8 @@ __all__ = [
     "TorchGradientReductionHandle",
     "TorchUnshardHandle",
     "flatten_axes",
+    "foreach_mul_",
+    "foreach_norm",
     "fully_shard_state",
     "in_backward",
     "map_tensors",
@@ -91,6 +93,10 @@ __all__ = [
     "set_fully_shard_state",
     "torch_fsdp_methods",
 ]
+
+# torch's multi-tensor ops (what clip_grad_norm_'s foreach path runs), underscored in torch.
+foreach_mul_ = torch._foreach_mul_
+foreach_norm = torch._foreach_norm
 
 TorchFSDPModule = torch_fsdp.FSDPModule
 TorchUnshardHandle = torch_fsdp.UnshardHandle

@@ -158,8 +158,11 @@ class ParamGroup:
 
     @property
     def is_unsharded(self) -> bool:
-        """Whether the group's buffers hold gathered memory (their state, read here)."""
-        return any(buffer.is_unsharded for buffer in self.buffers)
+        """Whether the group's buffers hold gathered memory (their state, read here).
+
+        They are gathered and freed together, so the first one speaks for all.
+        """
+        return self.buffers[0].is_unsharded
 
     def _compute_dtype(self, buffer: DBuffer) -> torch.dtype | None:
         dtype = self.mp_policy.param_dtype

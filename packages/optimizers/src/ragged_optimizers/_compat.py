@@ -8,6 +8,8 @@
 - `mark_dims_dynamic(tensors, dims)`: `torch._dynamo.maybe_mark_dynamic`, so that one
   compilation serves every number of blocks while the block's own sizes stay constants
   (`dynamic=True` would make them symbolic too, and every index then needs a division).
+- `foreach_*`: torch's multi-tensor ops (`torch._foreach_*`, what torch.optim's foreach
+  paths run), underscored in torch though stable across the supported versions.
 Tested on the torch versions `ragged_placement.SUPPORTED_TORCH` names.
 """
 
@@ -18,7 +20,19 @@ from typing import Any
 
 import torch
 
-__all__ = ["compile_options", "mark_dims_dynamic"]
+__all__ = [
+    "compile_options",
+    "foreach_add_",
+    "foreach_lerp",
+    "foreach_lerp_",
+    "foreach_mul_",
+    "mark_dims_dynamic",
+]
+
+foreach_add_ = torch._foreach_add_
+foreach_lerp = torch._foreach_lerp
+foreach_lerp_ = torch._foreach_lerp_
+foreach_mul_ = torch._foreach_mul_
 
 
 def compile_options() -> dict[str, Any]:

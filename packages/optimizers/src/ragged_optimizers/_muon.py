@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ragged_optimizers._adamw import adamw_step, check_betas, check_nonnegative
+from ragged_optimizers._compat import foreach_add_, foreach_lerp, foreach_lerp_, foreach_mul_
 from ragged_optimizers._layout import ParamLayout, layout_of, local_flat
 from ragged_optimizers._newton_schulz import newton_schulz, resolve_coefficients
 from ragged_optimizers._owner_plan import MatrixAssignment, ns_flops, plan_owners
@@ -343,8 +344,8 @@ class Muon(StepOptimizer):
                     state["momentum_buffer"] = item.layout.wrap(zeros, item.param)
                 bufs.append(local_flat(state["momentum_buffer"]))
             momentum = group["momentum"]
-            torch._foreach_lerp_(bufs, grads, 1 - momentum)
-            updates = torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
+            foreach_lerp_(bufs, grads, 1 - momentum)
+            updates = foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
             out.update((id(item), u) for item, u in zip(members, updates, strict=True))
         return [out[id(item)] for item in items]
 
@@ -352,9 +353,9 @@ class Muon(StepOptimizer):
         """Applies each matrix's (local piece of its) update: the same lr for the whole unit."""
         group = unit.group
         locals_ = [local_flat(item.param) for item in unit.items]
-        torch._foreach_mul_(locals_, 1 - group["lr"] * group["weight_decay"])
+        foreach_mul_(locals_, 1 - group["lr"] * group["weight_decay"])
         lr = adjusted_lr(group["lr"], group["adjust_lr"], unit.layout.full_shape)
-        torch._foreach_add_(locals_, updates, alpha=-lr)
+        foreach_add_(locals_, updates, alpha=-lr)
 
     def _momentum(self, param: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
         """`_momenta` of one parameter (for callers that go matrix by matrix)."""

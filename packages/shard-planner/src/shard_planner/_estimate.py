@@ -122,6 +122,26 @@ def _link_gbps(group_span: int, ranks_per_node: int, intra: float, inter: float)
     return intra if group_span <= ranks_per_node else inter
 
 
+def _check_optimizer(optimizer: str, block_rows: int) -> None:
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
+    if optimizer == "adamw8bit" and block_rows % QUANT_BLOCK:
+        raise ValueError(
+            f"optimizer 'adamw8bit' needs shards cut between {QUANT_BLOCK}-row blocks: "
+            f"block_rows must be a multiple of {QUANT_BLOCK}, got {block_rows}"
+        )
+
+
+def _check_links(intra_node_gbps: object, inter_node_gbps: object, latency_us: object) -> None:
+    """Bandwidths > 0 and a latency >= 0 (user input: checked for what came)."""
+    links = (("intra_node_gbps", intra_node_gbps), ("inter_node_gbps", inter_node_gbps))
+    for name, value in links:
+        if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+            raise ValueError(f"{name} must be a number > 0, got {value!r}")
+    if not isinstance(latency_us, int | float) or not latency_us >= 0:
+        raise ValueError(f"latency_us must be a number >= 0, got {latency_us!r}")
+
+
 def estimate(
     groups: Sequence[GroupSpec],
     *,
@@ -194,23 +214,8 @@ def estimate(
     compute = param_bytes if compute_bytes is None else _check_bytes("compute_bytes", compute_bytes)
     block_rows = check_count("block_rows", block_rows, 1)
     ranks_per_node = check_count("ranks_per_node", ranks_per_node, 1)
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
-    if optimizer == "adamw8bit" and block_rows % QUANT_BLOCK:
-        raise ValueError(
-            f"optimizer 'adamw8bit' needs shards cut between {QUANT_BLOCK}-row blocks: "
-            f"block_rows must be a multiple of {QUANT_BLOCK}, got {block_rows}"
-        )
-    links: tuple[tuple[str, object], ...] = (
-        ("intra_node_gbps", intra_node_gbps),
-        ("inter_node_gbps", inter_node_gbps),
-    )
-    for name, value in links:
-        if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
-            raise ValueError(f"{name} must be a number > 0, got {value!r}")
-    latency: object = latency_us  # user input: check what came
-    if not isinstance(latency, int | float) or not latency >= 0:
-        raise ValueError(f"latency_us must be a number >= 0, got {latency_us!r}")
+    _check_optimizer(optimizer, block_rows)
+    _check_links(intra_node_gbps, inter_node_gbps, latency_us)
     if align_bytes % param_bytes:
         raise ValueError(f"align_bytes {align_bytes} is not a multiple of param_bytes")
     groups = tuple(groups)
