@@ -16,7 +16,7 @@ from dbuffer_support import make_tensors
 from rank_pool import expect_error
 from torch.distributed.device_mesh import init_device_mesh
 
-from dbuffer import DBuffer
+from dbuffer import BlockFloat8, DBuffer
 from ragged_placement import RaggedShard, flat_range
 
 
@@ -403,3 +403,69 @@ def check_block_rows_forms() -> None:
     expect_error(
         ValueError, lambda: DBuffer(tensors, mesh, block_rows=lambda n, t: 0), "block_rows of"
     )
+
+
+def reference_block_qdq(
+    x: torch.Tensor, block: tuple[int, int], fmt: torch.dtype, out: torch.dtype
+) -> torch.Tensor:
+    """The quantize-dequantize of the whole tensor in one process, one block at a time."""
+    matrix = x.reshape(-1, x.shape[-1]).float()
+    top = torch.finfo(fmt).max
+    result = torch.empty(matrix.shape, dtype=out)
+    for r in range(0, matrix.shape[0], block[0]):
+        for c in range(0, matrix.shape[1], block[1]):
+            values = matrix[r : r + block[0], c : c + block[1]]
+            amax = values.abs().max()
+            scale = amax / top if amax > 0 else torch.tensor(1.0)
+            codes = (values / scale).clamp(-top, top).to(fmt)
+            result[r : r + block[0], c : c + block[1]] = (codes.float() * scale).to(out)
+    return result.view(x.shape)
+
+
+def check_float8_gather_is_exact(block_rows: int, cols: int, fmt: str) -> None:
+    """Gathered fp8 weights equal one process's blockwise quantize-dequantize, bit for bit.
+
+    Shards are uneven (and some ranks hold none of a tensor at W=3-4); a shard boundary
+    inside a block, or a scale computed from part of a block, changes bits.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,))
+    dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[fmt]
+    gen = torch.Generator().manual_seed(11)
+    shapes = {
+        "w1": (3 * block_rows, 200),  # a ragged last column block
+        "w2": ((world + 1) * block_rows, 72),
+        "expert": (2, block_rows, 48),  # leading dims flattened: (2 * block_rows, 48)
+        "empty": (0, 16),
+    }
+    tensors = [
+        (n, torch.randn(s, generator=gen) * (1 + i)) for i, (n, s) in enumerate(shapes.items())
+    ]
+    tensors[0][1][:block_rows, :cols] = 0.0  # an all-zero block
+    block = (block_rows, cols)
+    buf = DBuffer(tensors, mesh, block_rows=block_rows, gather_format=BlockFloat8(block, dtype))
+    sizes = [buf.layout.local_range("w2", r) for r in range(world)]
+    assert world < 3 or len({hi - lo for lo, hi in sizes}) > 1, sizes  # uneven shards
+    for out in (torch.float32, torch.bfloat16):
+        buf.unshard(dtype=None if out == torch.float32 else out, async_op=rank % 2 == 1).wait()
+        for name, t in tensors:
+            got = buf.full(name, dtype=None if out == torch.float32 else out)
+            expected = reference_block_qdq(t, block, dtype, out) if t.numel() else t.to(out)
+            assert torch.equal(got, expected), (name, (got - expected).abs().max())
+        buf.reshard()
+    # The master shard is untouched, and the plain gather still gives it back.
+    plain = DBuffer(tensors, mesh, block_rows=block_rows)
+    assert torch.equal(buf.local, plain.local)
+    expect_error(
+        ValueError,
+        lambda: DBuffer(tensors, mesh, block_rows=1, gather_format=BlockFloat8((2, cols), dtype)),
+        "could be cut by a shard boundary",
+    )
+    expect_error(
+        ValueError,
+        lambda: DBuffer([("b", torch.ones(8))], mesh, gather_format=BlockFloat8((1, 8), dtype)),
+        "'b' has shape (8,)",
+    )
+    expect_error(ValueError, lambda: BlockFloat8((32, 128), torch.bfloat16), "float8")
+    expect_error(ValueError, lambda: BlockFloat8((0, 128)), "ints >= 1")
+    expect_error(TypeError, lambda: DBuffer(tensors, mesh, gather_format="fp8"), "BlockFloat8")

@@ -54,3 +54,9 @@ def test_comm_kinds_match_the_reference(pools, world) -> None:
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_block_rows_forms_plan_alike(pools, world) -> None:
     pools[world].run(cases.check_block_rows_forms)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_float8_gather_equals_one_process_blockwise_quantization(pools, world) -> None:
+    for block_rows, cols, fmt in ((32, 64, "e4m3"), (128, 128, "e4m3"), (32, 128, "e5m2")):
+        pools[world].run(cases.check_float8_gather_is_exact, block_rows, cols, fmt)

@@ -48,6 +48,7 @@ from dbuffer._handle import Handle
 from dbuffer._outer import OuterSpec, check_rows_within_piece, outer_spec
 from dbuffer._shards import ShardViews
 from dbuffer._streams import record_event
+from dbuffer._wire import BlockFloat8, Float8Wire
 from shard_planner import Layout, TensorSpec, plan_layout
 
 
@@ -79,6 +80,8 @@ class DBuffer:
             on when the environment has `DBUFFER_CHECK_FREED=1`. Off, reading a view held
             across a `reshard()` is undefined (as for FSDP2's unsharded parameters), but
             `full()` and autograd's saved views still raise while freed.
+        gather_format: Gather in a low-precision wire format (`BlockFloat8`: fp8 codes and
+            one scale per block, `_wire.py`); the full views stay in the unshard dtype.
         shard_dim: Deprecated name of `shard_axis` (a mesh axis, not a tensor dim).
         replicate_dim: Deprecated name of `replicate_axis`.
 
@@ -101,6 +104,7 @@ class DBuffer:
         align_bytes: int = 16,
         layout: Layout | None = None,
         check_freed: bool | None = None,
+        gather_format: BlockFloat8 | None = None,
         shard_dim: int | None = None,
         replicate_dim: int | None = None,
     ) -> None:
@@ -151,7 +155,13 @@ class DBuffer:
         self._rank = mesh.get_local_rank(self.shard_axis)
         group = mesh.get_group(self.shard_axis)
         self._comm: ShardComm = comm_for(group, self.device)
-        self._shard_ranks = dist.get_process_group_ranks(group)
+        if gather_format is not None and not isinstance(gather_format, BlockFloat8):
+            raise TypeError(f"gather_format must be a BlockFloat8 or None, got {gather_format!r}")
+        self._wire = (
+            None
+            if gather_format is None
+            else Float8Wire(gather_format, self.layout, self._shapes, self._rank)
+        )
         self.local = torch.zeros(self.layout.shard_size, dtype=self.dtype, device=self.device)
         self.copy_(dict(tensors))
         self._views = ShardViews(
@@ -164,7 +174,6 @@ class DBuffer:
         # What `reshard(keep_group=...)` kept of each global buffer, and the comm to gather
         # it with at the next unshard.
         self._kept: dict[torch.dtype, tuple[ShardComm, torch.Tensor]] = {}
-        self._keep_comms: dict[dist.ProcessGroup, ShardComm] = {}  # checked once each
         self._grads = self._new_gradients()
 
     @property
@@ -265,8 +274,10 @@ class DBuffer:
         if memory is None:
             offsets = dict(self.layout.offsets)
             numel = self.layout.buffer_numel
-            # On one rank the global buffer is the local shard: alias it (no copy, no memory).
-            backing = self.local if self._comm.size == 1 and dtype == self.dtype else None
+            # On one rank the global buffer is the local shard: alias it (no copy, no memory),
+            # unless the gather goes through a wire format (its values are the format's).
+            alias = self._comm.size == 1 and dtype == self.dtype and self._wire is None
+            backing = self.local if alias else None
             memory = FreeableBuffer(
                 numel,
                 offsets,
@@ -310,6 +321,13 @@ class DBuffer:
         if dtype in self._kept:
             return self._unshard_kept(dtype, async_op)
         buffer = self._global_buffer(dtype)
+        if self._wire is not None:  # quantize, gather codes and scales, dequantize at wait
+            works, then = self._wire.gather(self.local, buffer, self._comm, async_op=async_op)
+            handle = Handle(works, device=self.device, event=record_event(self.device), then=then)
+            self._pending_unshards[dtype] = handle
+            if not async_op:
+                handle.wait()
+            return handle
         send = self.local
         if dtype != self.dtype:
             # Cast straight into this rank's own chunk of the global buffer (the only
@@ -346,7 +364,7 @@ class DBuffer:
             handle.wait()
         self._pending_unshards = {}
         self._kept = {}
-        keep = None if keep_group is None else self._keep_comm(keep_group)
+        keep = None if keep_group is None else self._comm.part(keep_group)
         if keep is not None and keep.size < self._comm.size:
             for dtype, memory in self._global.items():
                 if memory.allocated:
@@ -355,24 +373,6 @@ class DBuffer:
         for memory in self._global.values():
             memory.free()
         self._unsharded = False
-
-    def _keep_comm(self, keep_group: dist.ProcessGroup) -> ShardComm:
-        """The comm over `keep_group`, once checked (it is given after every forward)."""
-        comm = self._keep_comms.get(keep_group)
-        if comm is not None:
-            return comm
-        ranks = dist.get_process_group_ranks(keep_group)
-        parts, world = len(ranks), self._comm.size
-        start = self._rank // parts * parts if world % parts == 0 else -1
-        expected = self._shard_ranks[start : start + parts] if start >= 0 else None
-        if expected != ranks:
-            raise ValueError(
-                f"keep_group has ranks {ranks}; it must be k consecutive ranks of this "
-                f"buffer's shard axis {self._shard_ranks} (k dividing {world}) that include "
-                f"this rank"
-            )
-        comm = self._keep_comms[keep_group] = comm_for(keep_group, self.device)
-        return comm
 
     def _unshard_kept(self, dtype: torch.dtype, async_op: bool) -> Handle:
         comm, piece = self._kept.pop(dtype)

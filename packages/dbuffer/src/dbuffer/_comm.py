@@ -40,13 +40,41 @@ class ShardComm:
         rank: This rank's index in the group.
         reduces_in_place: `reduce_scatter` leaves this rank's result in its chunk of the
             input (no output is written).
+        gathers_in_place: `all_gather` first copies the input into this rank's chunk of the
+            output (unless it is that chunk) and gathers from there.
     """
 
     reduces_in_place = False
+    gathers_in_place = False
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
         self.group, self.device = group, device
         self.size, self.rank = group.size(), group.rank()
+        self._parts: dict[dist.ProcessGroup, ShardComm] = {}
+
+    def part(self, group: dist.ProcessGroup) -> ShardComm:
+        """The comm over `group`: k consecutive ranks of this group, this rank among them.
+
+        Checked once per group (a buffer is given it after every forward).
+
+        Raises:
+            ValueError: `group` is not such a part (naming both groups' ranks).
+        """
+        comm = self._parts.get(group)
+        if comm is None:
+            ranks, mine = (
+                dist.get_process_group_ranks(group),
+                dist.get_process_group_ranks(self.group),
+            )
+            parts = len(ranks)
+            start = self.rank // parts * parts if self.size % parts == 0 else -1
+            if (mine[start : start + parts] if start >= 0 else None) != ranks:
+                raise ValueError(
+                    f"keep_group has ranks {ranks}; it must be k consecutive ranks of this "
+                    f"buffer's shard axis {mine} (k dividing {self.size}) that include this rank"
+                )
+            comm = self._parts[group] = comm_for(group, self.device)
+        return comm
 
     def chunk(self, buffer: torch.Tensor) -> torch.Tensor:
         """This rank's 1/W of `buffer` (a view)."""
@@ -66,10 +94,12 @@ class ShardComm:
         `input` may be this rank's chunk of `output` (gathering in place). `label` names the
         profiler range around the collective.
         """
-        if self.size == 1:
-            if input.data_ptr() != output.data_ptr():
-                output.copy_(input)
-            return []
+        if self.size == 1 or self.gathers_in_place:  # staged outside the collective's range
+            mine = self.chunk(output)
+            if input.data_ptr() != mine.data_ptr():
+                mine.copy_(input)
+            if self.size == 1:
+                return []
         with profiler_range(label):
             return self._all_gather(output, input, async_op)
 
@@ -115,6 +145,7 @@ class GlooInPlaceComm(ShardComm):
     """Gloo on CPU, without its staging temporaries (one broadcast per rank)."""
 
     reduces_in_place = True
+    gathers_in_place = True
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
         super().__init__(group, device)
@@ -122,10 +153,7 @@ class GlooInPlaceComm(ShardComm):
         self._sources = dist.get_process_group_ranks(group)
 
     def _all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool) -> Works:
-        mine = self.chunk(output)
-        if input.data_ptr() != mine.data_ptr():
-            mine.copy_(input)
-        size = mine.numel()
+        size = output.numel() // self.size
         return [
             dist.broadcast(output.narrow(0, i * size, size), source, self.group, async_op)
             for i, source in enumerate(self._sources)
