@@ -1,6 +1,7 @@
-"""Measuring a training step under the torch profiler: peak live memory and copy kernels.
+"""Measuring a training step: peak memory, copy kernels, bytes all-gathered.
 
-Both work the same way for any engine, so that ours and torch FSDP2 are measured alike.
+The first two come from the torch profiler, the last from CommCounter. All work the same way
+for any engine, so that ours and torch FSDP2 are measured alike.
 """
 
 from __future__ import annotations
@@ -302,3 +303,17 @@ def _inside_engine(event: Any) -> bool:
             return True
         parent = parent.cpu_parent
     return False
+
+
+def gathered_bytes(fn: Callable[[], object]) -> int:
+    """Bytes this rank receives in the all-gathers of `fn`, as CommCounter records them.
+
+    gloo's in-place gathers are broadcasts: counted too.
+    """
+    from ragged_placement import CommCounter
+
+    with CommCounter() as counter:
+        fn()
+    return sum(
+        c.bytes_received for c in counter.collectives if c.kind in ("all_gather", "broadcast")
+    )

@@ -22,7 +22,13 @@ ROWS: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
     ("copy kernels in the engine, one step", lambda r: str(_copies(r)[0])),
     ("bytes they copy, one step (MB)", lambda r: f"{_copies(r)[1] / 1e6:.2f}"),
     ("padding in the shards (bytes)", lambda r: f"{r['padding_bytes']:,}"),
+    ("all-gathered into one rank, one step (MB)", lambda r: _gathered(r)),
 )
+
+
+def _gathered(record: dict[str, Any]) -> str:
+    count = record.get("gathered_bytes")
+    return "-" if count is None else f"{count / 1e6:.3f}"
 
 
 def _copies(record: dict[str, Any]) -> tuple[int, int]:
@@ -30,9 +36,13 @@ def _copies(record: dict[str, Any]) -> tuple[int, int]:
     return sum(c["kernels"] for c in copies.values()), sum(c["bytes"] for c in copies.values())
 
 
+def _gather_label(record: dict[str, Any]) -> str:
+    return ", fp8 gathers" if record.get("gather") == "fp8" else ""
+
+
 def table(records: list[dict[str, Any]]) -> str:
     """A markdown table: one column per run."""
-    names = [f"{r['engine']} (W={r['world']})" for r in records]
+    names = [f"{r['engine']}{_gather_label(r)} (W={r['world']})" for r in records]
     lines = ["| | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(records)]
     for label, cell in ROWS:
         lines.append(f"| {label} | " + " | ".join(cell(r) for r in records) + " |")

@@ -47,12 +47,13 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from model import Config, Decoder, loss_fn
 from parallel import expert_parallel, tensor_parallel
 from pipeline import DecoderStage, decoder_stage, pipeline_schedule
-from profiling import engine_copies, peak_live_bytes
+from profiling import engine_copies, gathered_bytes, peak_live_bytes
 from train_setup import Text, UsageError, check_args, parse_args
 
+from dbuffer import BlockFloat8
 from fsdp_engine import clip_grad_norm_
 
-MEASURE_STEPS = (3, 4)  # profiled (peak memory, copies), left out of the timings
+MEASURE_STEPS = (3, 4, 5)  # measured (peak memory, copies, gathered bytes), left out of timings
 
 
 # -- model and engine --------------------------------------------------------------------------
@@ -114,6 +115,8 @@ def build(args: argparse.Namespace, vocab: int, device: torch.device) -> nn.Modu
     if args.optimizer == "adamw8bit":  # whole 32 x 32 quantization blocks on every rank
         # (for the matrices that get 8-bit state: 2-D, at least AdamW8bit's min_8bit_numel)
         kwargs["block_rows"] = lambda fqn, p: 32 if p.dim() == 2 and p.numel() >= 4096 else 1
+    if args.gather == "fp8":
+        kwargs["gather_format"] = fp8_gather_format
     layers = cast(Any, model).layers  # a ModuleDict of a pipeline stage's blocks, or a ModuleList
     for layer in layers.values() if args.pp > 1 else layers:
         if experts_mesh is not None:
@@ -124,6 +127,18 @@ def build(args: argparse.Namespace, vocab: int, device: torch.device) -> nn.Modu
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+def fp8_gather_format(fqn: str, param: nn.Parameter) -> BlockFloat8 | None:
+    """`--gather fp8`: each matrix as fp8 codes with one scale per 32 x 128 block.
+
+    A matrix whose rows are not a multiple of 32 (the embedding of 65 characters) is one
+    block of all its rows, so that no shard boundary cuts a block.
+    """
+    if param.dim() != 2:
+        return None  # norms: gathered as usual
+    rows = 32 if param.shape[0] % 32 == 0 else param.shape[0]
+    return BlockFloat8(block=(rows, 128))
 
 
 def make_optimizer(name: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
@@ -388,6 +403,7 @@ class _Log:
             "step_s": [],
             "engine": args.engine,
             "optimizer": args.optimizer,
+            "gather": args.gather,
         }
         self.every_step_s: list[float] = []  # also the warm-up and profiled steps
         self.bar = _progress(rank, start, args.steps)
@@ -403,6 +419,8 @@ class _Log:
             )
         elif step - self.start == MEASURE_STEPS[1]:
             measure = engine_copies
+        elif step - self.start == MEASURE_STEPS[2]:
+            measure = gathered_bytes
         t0 = time.perf_counter()
         if measure is None:
             loss = step_fn(step)
@@ -414,6 +432,8 @@ class _Log:
                 self.record["copies"] = {
                     k: {"kernels": c.kernels, "bytes": c.bytes} for k, c in result.items()
                 }
+            elif measure is gathered_bytes:
+                self.record["gathered_bytes"] = result
             else:
                 self.record["peak_live_bytes"] = result
         elapsed = torch.tensor(time.perf_counter() - t0, device=self.device)  # NCCL: on the GPU

@@ -60,6 +60,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--microbatches", type=int, default=4, help="per step, with --pp")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--mixed-precision", choices=["none", "bf16"], default="none")
+    parser.add_argument(
+        "--gather",
+        choices=["param", "fp8"],
+        default="param",
+        help="all-gather the weights in param_dtype, or as fp8 codes with one scale per 32 x "
+        "128 block (--engine ours; exact because shards hold whole blocks)",
+    )
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--data", type=pathlib.Path, default=DATA)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("build/demo"))
@@ -113,6 +120,11 @@ def check_args(args: argparse.Namespace, world: int) -> None:
         raise UsageError(f"--dim {args.dim} must be a multiple of --heads {args.heads}")
     if args.resume is not None and not (args.resume / "meta.json").is_file():
         raise UsageError(f"--resume {args.resume}: no checkpoint there (no meta.json)")
+    if args.gather == "fp8" and args.engine == "fsdp2":
+        raise UsageError(
+            "--gather fp8 needs shards of whole 32-row blocks, which FSDP2's Shard(0) does "
+            "not give: use --engine ours"
+        )
     if args.optimizer == "adamw8bit" and args.engine == "fsdp2":
         raise UsageError(
             "--optimizer adamw8bit needs shards cut between 32-row blocks, which FSDP2's "

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from block_quantization import reference_block_qdq
 from dbuffer_support import make_tensors
 from rank_pool import expect_error
 from torch.distributed.device_mesh import init_device_mesh
@@ -403,23 +404,6 @@ def check_block_rows_forms() -> None:
     expect_error(
         ValueError, lambda: DBuffer(tensors, mesh, block_rows=lambda n, t: 0), "block_rows of"
     )
-
-
-def reference_block_qdq(
-    x: torch.Tensor, block: tuple[int, int], fmt: torch.dtype, out: torch.dtype
-) -> torch.Tensor:
-    """The quantize-dequantize of the whole tensor in one process, one block at a time."""
-    matrix = x.reshape(-1, x.shape[-1]).float()
-    top = torch.finfo(fmt).max
-    result = torch.empty(matrix.shape, dtype=out)
-    for r in range(0, matrix.shape[0], block[0]):
-        for c in range(0, matrix.shape[1], block[1]):
-            values = matrix[r : r + block[0], c : c + block[1]]
-            amax = values.abs().max()
-            scale = amax / top if amax > 0 else torch.tensor(1.0)
-            codes = (values / scale).clamp(-top, top).to(fmt)
-            result[r : r + block[0], c : c + block[1]] = (codes.float() * scale).to(out)
-    return result.view(x.shape)
 
 
 def check_float8_gather_is_exact(block_rows: int, cols: int, fmt: str) -> None:

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor, Shard
 
-from dbuffer import DBuffer
+from dbuffer import BlockFloat8, DBuffer
 from fsdp_engine._compat import (
     fully_shard_state,
     mark_fsdp_managed,
@@ -24,6 +24,7 @@ from fsdp_engine._compat import (
     set_fully_shard_state,
 )
 from fsdp_engine._config import GroupConfig
+from fsdp_engine._gather_format import GatherFormatArg, resolve_gather_formats
 from fsdp_engine._group import (
     Location,
     ManagedParam,
@@ -68,6 +69,7 @@ class _ShardOptions(TypedDict, total=False):
     ignored_params: set[nn.Parameter] | None
     block_rows: BlockRowsArg
     dp_mesh_dims: Any
+    gather_format: GatherFormatArg
 
 
 @overload
@@ -89,6 +91,7 @@ def fully_shard(
     ignored_params: set[nn.Parameter] | None = None,
     block_rows: BlockRowsArg = None,
     dp_mesh_dims: Any = None,
+    gather_format: GatherFormatArg = None,
 ) -> nn.Module | list[nn.Module]:
     """Shards `module`'s parameters (those no nested call took) into one group, as FSDP2 does.
 
@@ -128,6 +131,11 @@ def fully_shard(
             to shard over (several are flattened into one) and `replicate` the HSDP axis or
             axes. DTensor parameters on `mesh` must be Replicate on those axes; forward and
             backward see them as given (on `mesh`).
+        gather_format: `dbuffer.BlockFloat8(block=(rows, cols))`: all-gather the parameters
+            of 2+ dims as fp8 codes with one scale per block (about half the bytes of bf16),
+            dequantized into param_dtype; their block_rows default to the block's rows so
+            that shards hold whole blocks. Or a function of (fqn, param) returning a
+            BlockFloat8 or None (`_gather_format.py`).
 
     Returns:
         The same module (or list), now FSDPModule(s).
@@ -166,7 +174,11 @@ def fully_shard(
             found.take_spmd(param, fqn, spmd)
     placements = _resolve_placements(found, shard_placement_fn, mesh)
     rows = _resolve_block_rows(block_rows, found)
-    group = _build_group(found, rows, placements, mesh, mp_policy, type(modules[0]).__name__)
+    formats = resolve_gather_formats(
+        gather_format, found.names, rows, rows_given=block_rows is not None
+    )
+    label = type(modules[0]).__name__
+    group = _build_group(found, rows, formats, placements, mesh, mp_policy, label)
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         reshard = _post_forward_parts(group, reshard_after_forward, mesh)
     state = FSDPState(modules, group, GroupConfig(reshard_after_forward=reshard), mp_policy)
@@ -436,6 +448,7 @@ def _resolve_block_rows(block_rows: BlockRowsArg, found: _Found) -> dict[str, in
 def _build_group(
     found: _Found,
     rows: dict[str, int],
+    formats: dict[str, BlockFloat8],
     placements: dict[nn.Parameter, _Placement],
     mesh: DeviceMesh,
     mp_policy: MixedPrecisionPolicy,
@@ -444,11 +457,12 @@ def _build_group(
     if not found.names:
         return None
     device = _target_device(found, mesh)
-    # One DBuffer per (dtype, mesh and axes): parameters on their own mesh (experts) apart.
+    # One DBuffer per (dtype, mesh and axes, gather format): experts on their own mesh apart.
     by_buffer: dict[tuple[Any, ...], list[nn.Parameter]] = {}
     for param in found.names:
         where = placements[param]
-        key = (param.dtype, id(where.mesh), where.shard_axis, where.replicate_axis)
+        fmt = formats.get(found.names[param])
+        key = (param.dtype, id(where.mesh), where.shard_axis, where.replicate_axis, fmt)
         by_buffer.setdefault(key, []).append(param)
     buffers: dict[nn.Parameter, DBuffer] = {}
     for params in by_buffer.values():
@@ -460,6 +474,7 @@ def _build_group(
             shard_axis=where.shard_axis,
             replicate_axis=where.replicate_axis,
             block_rows={n: rows[n] for n, _ in tensors},
+            gather_format=formats.get(tensors[0][0]),
             num_shard_dims={found.names[p]: placements[p].num_shard_dims for p in params},
         )
         buffers.update(dict.fromkeys(params, buffer))
