@@ -207,15 +207,19 @@ def gpu(session: nox.Session) -> None:
 def demo(session: nox.Session) -> None:
     """The main job: train on Shakespeare with our engine, then with torch FSDP2, and compare.
 
-    Two gloo ranks on CPU each; prints the side-by-side table and writes the loss curves to
-    build/demo/loss.png. Then plans the real model presets and compares padding with FSDP2
-    (tables on stdout, plots in build/demo/<preset>.png). Pass train.py options after `--`.
+    Then once more with ours gathering its matrices as fp8 (`--gather fp8`): a third column.
+
+        Two gloo ranks on CPU each; prints the side-by-side table and writes the loss curves to
+        build/demo/loss.png. Then plans the real model presets and compares padding with FSDP2
+        (tables on stdout, plots in build/demo/<preset>.png). Pass train.py options after `--`.
     """
     _install_members(session, TORCH_DEFAULT)
     session.install("tqdm", "matplotlib", "-e", "packages/shard-planner[plot]")
     out = ROOT / "build" / "demo"
     out.mkdir(parents=True, exist_ok=True)
-    for engine in ("ours", "fsdp2"):
+    # Ours, FSDP2, then ours again with fp8 parameter gathers (in a folder of its own).
+    runs = (("ours", "param", out), ("fsdp2", "param", out), ("ours", "fp8", out / "fp8"))
+    for engine, gather, folder in runs:
         session.run(
             "python",
             "examples/train.py",
@@ -223,8 +227,10 @@ def demo(session: nox.Session) -> None:
             "2",
             "--engine",
             engine,
+            "--gather",
+            gather,
             "--out",
-            str(out),
+            str(folder),
             *session.posargs,
         )
     session.run(
@@ -232,6 +238,7 @@ def demo(session: nox.Session) -> None:
         "examples/report.py",
         str(out / "ours.json"),
         str(out / "fsdp2.json"),
+        str(out / "fp8" / "ours.json"),
         "--plot",
         str(out / "loss.png"),
     )

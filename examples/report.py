@@ -36,13 +36,14 @@ def _copies(record: dict[str, Any]) -> tuple[int, int]:
     return sum(c["kernels"] for c in copies.values()), sum(c["bytes"] for c in copies.values())
 
 
-def _gather_label(record: dict[str, Any]) -> str:
-    return ", fp8 gathers" if record.get("gather") == "fp8" else ""
+def name(record: dict[str, Any]) -> str:
+    """The run's engine, and its gather format when not the parameters' own."""
+    return str(record["engine"]) + (", fp8 gathers" if record.get("gather") == "fp8" else "")
 
 
 def table(records: list[dict[str, Any]]) -> str:
     """A markdown table: one column per run."""
-    names = [f"{r['engine']}{_gather_label(r)} (W={r['world']})" for r in records]
+    names = [f"{name(r)} (W={r['world']})" for r in records]
     lines = ["| | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(records)]
     for label, cell in ROWS:
         lines.append(f"| {label} | " + " | ".join(cell(r) for r in records) + " |")
@@ -57,7 +58,7 @@ def agreement(a: dict[str, Any], b: dict[str, Any]) -> str:
     biggest = max(abs(first[s] - second[s]) for s in steps)
     until = f"identical up to step {same - 1}" if same else "identical at every step"
     return (
-        f"training losses of {a['engine']} and {b['engine']}: {until}; largest difference "
+        f"training losses of {name(a)} and {name(b)}: {until}; largest difference "
         f"{biggest:.2e} (floating-point summation order, amplified by training)"
     )
 
@@ -72,9 +73,9 @@ def plot(records: list[dict[str, Any]], path: pathlib.Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for record, colour in zip(records, ("tab:blue", "tab:orange", "tab:green"), strict=False):
         steps, losses = zip(*record["train"], strict=True)
-        ax.plot(steps, losses, color=colour, alpha=0.5, lw=1, label=f"{record['engine']} train")
+        ax.plot(steps, losses, color=colour, alpha=0.5, lw=1, label=f"{name(record)} train")
         steps, losses = zip(*record["val"], strict=True)
-        ax.plot(steps, losses, "o-", color=colour, label=f"{record['engine']} validation")
+        ax.plot(steps, losses, "o-", color=colour, label=f"{name(record)} validation")
     entropy = records[0]["unigram_entropy"]
     ax.axhline(entropy, color="grey", ls="--", lw=1, label=f"unigram entropy {entropy:.2f}")
     ax.set_xlabel("step")
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     records = [json.loads(p.read_text()) for p in args.runs]
     print(table(records))
-    if len(records) == 2:
+    if len(records) >= 2:
         print(agreement(records[0], records[1]))
     if args.plot is not None:
         plot(records, args.plot)

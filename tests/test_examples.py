@@ -75,6 +75,7 @@ def _exit_code(argv: list[str]) -> int:
         (["--resume", "{empty}"], "no checkpoint there"),
         (["--seq-len", "2000000"], "longer than the val split"),
         (["--engine", "fsdp2", "--optimizer", "adamw8bit"], "use --engine ours"),
+        (["--engine", "fsdp2", "--gather", "fp8"], "--gather fp8 needs shards of whole"),
         (["--optimizer", "lion"], "invalid choice: 'lion'"),
         (["--nproc", "2", "--pp", "3"], "--pp 3 must be >= 1 and divide the 2 ranks"),
         (["--nproc", "2", "--pp", "2", "--tp", "2"], "runs without --tp and --ep"),
@@ -124,6 +125,26 @@ def test_engines_agree_and_resume_on_another_world_size(tmp_path, pools) -> None
     engines = max(abs(full[s] - theirs[s]) for s in range(1, 25))
     resume = max(abs(full[s] - after[s]) for s in range(13, 25))
     print(f"max loss difference: ours vs FSDP2 {engines:.2e}, resumed on 3 ranks {resume:.2e}")
+
+
+def test_fp8_gathers_train_with_half_the_gathered_bytes(tmp_path, pools) -> None:
+    runs = {
+        gather: _train(
+            pools,
+            2,
+            *("--steps", "12", "--mixed-precision", "bf16", "--gather", gather),
+            out=tmp_path / gather,
+        )
+        for gather in ("param", "fp8")
+    }
+    sent = {gather: int(record["gathered_bytes"]) for gather, record in runs.items()}
+    assert 0.45 < sent["fp8"] / sent["param"] <= 0.52, sent
+    bf16, fp8 = _losses(runs["param"]), _losses(runs["fp8"])
+    assert fp8[12] < fp8[1] - 0.5, fp8  # it learns
+    assert abs(fp8[12] - bf16[12]) < 0.05 * bf16[12], (fp8[12], bf16[12])
+    print(
+        f"gathered bytes per step {sent}; loss at step 12: fp8 {fp8[12]:.4f}, bf16 {bf16[12]:.4f}"
+    )
 
 
 @pytest.mark.parametrize("num_experts", [0, 4])

@@ -8,6 +8,8 @@ bytes of live tensors in one step (what was live at its start plus the profiler'
 events, both sides alike), the copy kernels each engine
 runs in one step and their bytes, the bytes all-gathered and reduce-scattered per step
 (`CommCounter`), and the padding. Results go to build/bench/engine.json and engine.png.
+dtype "fp8": both compute in bf16; ours all-gathers its matrices as fp8 codes with one scale
+per 32 x 128 block (`gather_format=BlockFloat8`), FSDP2 gathers bf16.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def _build(
     torch.manual_seed(0)
     model = Decoder(MODELS[name])
     mp_policy = MixedPrecisionPolicy()
-    if dtype == "bf16":
+    if dtype in ("bf16", "fp8"):
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     import torch.distributed.fsdp as torch_fsdp
 
@@ -63,9 +65,14 @@ def _build(
     fully_shard: Callable[..., Any] = (
         fsdp_engine.fully_shard if engine == "ours" else torch_fsdp.fully_shard
     )
+    kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": mp_policy}
+    if dtype == "fp8" and engine == "ours":  # FSDP2 gathers bf16 (its fp8 needs torchao)
+        from dbuffer import BlockFloat8
+
+        kwargs["gather_format"] = BlockFloat8(block=(32, 128))
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
     if engine == "ours" and not backward_prefetch:  # a diagnostic: --no-backward-prefetch
         for module in (*model.layers, model):
             cast(Any, module).set_modules_to_backward_prefetch([])
@@ -106,7 +113,7 @@ def _cpu_floor(name: str, dtype: str, groups: list[Any], batch: int, seq: int) -
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     cores = len(os.sched_getaffinity(0))
-    compute_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    compute_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
     torch.manual_seed(0)
     plain = Decoder(MODELS[name]).to(compute_dtype)
     gen = torch.Generator().manual_seed(100 + rank)
@@ -324,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in args.models if m not in MODELS]
     if unknown or args.steps < 7:
         parser.error(f"models must be among {sorted(MODELS)} and --steps >= 7")
+    if not set(args.dtypes) <= {"fp32", "bf16", "fp8"}:
+        parser.error(f"dtypes must be among fp32, bf16, fp8; got {args.dtypes}")
     for name in args.models:
         print(f"{name}: {MODELS[name]}")
     print(f"micro-batch {args.batch} x {args.seq} tokens per rank, AdamW, gloo, 1 thread per rank")

@@ -113,10 +113,11 @@ def quantize_blocks(
         _regions(x, fmt.block), _regions(codes, fmt.block), strict=True
     ):
         values = part.float()
-        amax = values.abs().amax(dim=(1, 3))
+        amax = torch.amax(values.abs(), dim=(1, 3))
         scale = torch.where(amax > 0, amax / top, 1.0)
         scales[rb : rb + scale.shape[0], cb : cb + scale.shape[1]] = scale
-        out.copy_((values / scale[:, None, :, None]).clamp(-top, top).to(fmt.dtype))
+        # One temporary: divided, clamped in place, cast by the copy (as `.to` rounds).
+        out.copy_(torch.div(values, scale[:, None, :, None]).clamp_(-top, top))
 
 
 def dequantize_blocks(
@@ -127,7 +128,7 @@ def dequantize_blocks(
         _regions(codes, fmt.block), _regions(out, fmt.block), strict=True
     ):
         grid = scales[rb : rb + part.shape[0], cb : cb + part.shape[2]]
-        target.copy_(part.float() * grid[:, None, :, None])
+        target.copy_(part.float().mul_(grid[:, None, :, None]))
 
 
 @dataclass(frozen=True)
