@@ -57,8 +57,13 @@ def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
 
 
-def _shard(model: _Net, fmt: BlockFloat8 | None, mp: MixedPrecisionPolicy) -> None:
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+def _shard(
+    model: _Net, fmt: BlockFloat8 | None, mp: MixedPrecisionPolicy, *, hsdp: bool = False
+) -> None:
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    if hsdp:  # 2 replicas, each sharded over world / 2 ranks
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     for block in model.blocks:
         fully_shard(block, mesh=mesh, gather_format=fmt, mp_policy=mp)
     fully_shard(model, mesh=mesh, gather_format=fmt, mp_policy=mp)
@@ -77,7 +82,7 @@ def _qdq_forward(model: _Net, tokens: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
 
 
-def check_float8_gather_training(steps: int = 3) -> None:
+def check_float8_gather_training(steps: int = 3, hsdp: bool = False) -> None:
     """Each step of W ranks with fp8 gathers equals the one-process STE reference's.
 
     The reference takes the sharded model's master weights before every step: a master
@@ -91,7 +96,7 @@ def check_float8_gather_training(steps: int = 3) -> None:
     model = _Net()
     model.load_state_dict(reference.state_dict())
     fmt = BlockFloat8(BLOCK)
-    _shard(model, fmt, MixedPrecisionPolicy())
+    _shard(model, fmt, MixedPrecisionPolicy(), hsdp=hsdp)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
     gen = torch.Generator().manual_seed(1)

@@ -9,6 +9,10 @@ def test_float8_gathers_train_as_one_process_with_quantized_weights(pools, world
     pools[world].run(cases.check_float8_gather_training)
 
 
+def test_float8_gathers_under_hsdp(pools) -> None:
+    pools[4].run(cases.check_float8_gather_training, 2, True)
+
+
 @pytest.mark.parametrize("world", [1, 2, 3])  # 4: its shards would pad a block (see the case)
 def test_float8_gathers_move_half_the_bytes(pools, world) -> None:
     for result in pools[world].run(cases.check_float8_gather_bytes):
