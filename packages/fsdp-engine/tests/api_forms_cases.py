@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from engine_support import full_params
 from model import Config, Decoder, loss_fn
 from rank_pool import expect_error
 from side_by_side import steps_side_by_side
@@ -57,15 +58,8 @@ def _sgd_steps(model: nn.Module, replica: int | None, num_replicas: int, steps: 
         opt.zero_grad()
 
 
-def _full(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {
-        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
-        for n, p in model.named_parameters()
-    }
-
-
 def _assert_equal_to(reference: nn.Module, model: nn.Module) -> None:
-    expected, got = _full(reference), _full(model)
+    expected, got = full_params(reference), full_params(model)
     assert list(got) == list(expected)
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, atol=1e-6, rtol=1e-5, msg=name)
@@ -276,8 +270,8 @@ def check_reshard_after_forward_int(parts: int) -> None:
     sharded = [(m, torch.optim.SGD(m.parameters(), lr=0.1)) for m in models.values()]
     one = (reference, torch.optim.SGD(reference.parameters(), lr=0.1))
     steps_side_by_side(sharded, one, batches, rank, loss_fn)
-    for name, value in _full(models["bool"]).items():
-        assert torch.equal(_full(models["int"])[name], value), name
+    for name, value in full_params(models["bool"]).items():
+        assert torch.equal(full_params(models["int"])[name], value), name
     _assert_equal_to(reference, models["int"])
     if world == 4:
         expect_error(
