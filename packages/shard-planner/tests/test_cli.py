@@ -138,6 +138,10 @@ def test_plan_summary_from_a_group_file(tmp_path, capsys) -> None:
             ["advise", "--preset", "llama3-8b", "--ranks", "8", "--memory-gb", "x"],
             "expected a number, got 'x'",
         ),
+        (
+            ["estimate", "--preset", "llama3-8b", "--shard-size", "8", "--inter-node-gbps", "inf"],
+            "must be a finite number >= 0, got 'inf'",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_nonzero(argv, message) -> None:

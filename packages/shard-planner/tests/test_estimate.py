@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shard_planner import load_group_file, load_preset, plan_layout
+from shard_planner import GroupSpec, TensorSpec, load_group_file, load_preset, plan_layout
 from shard_planner._advise import advise, factorisations
 from shard_planner._estimate import estimate
 
@@ -133,7 +133,21 @@ def test_bad_input() -> None:
         estimate(groups, shard_size=0)
     with pytest.raises(ValueError, match="param_bytes must be 1, 2, 4 or 8"):
         estimate(groups, shard_size=8, param_bytes=3)
-    with pytest.raises(ValueError, match="inter_node_gbps must be a number > 0"):
+    with pytest.raises(ValueError, match="inter_node_gbps must be a finite number > 0"):
         estimate(groups, shard_size=8, inter_node_gbps=0)
     with pytest.raises(ValueError, match="groups is empty"):
         estimate([], shard_size=8)
+    # What passed silently before: infinite or NaN links, tensors instead of groups, one group
+    # instead of a list, a group without tensors, a memory size in GiB given as bytes.
+    with pytest.raises(ValueError, match="inter_node_gbps must be a finite number > 0, got inf"):
+        estimate(groups, shard_size=8, inter_node_gbps=float("inf"))
+    with pytest.raises(ValueError, match="latency_us must be a finite number >= 0, got nan"):
+        estimate(groups, shard_size=8, latency_us=float("nan"))
+    with pytest.raises(TypeError, match=r"groups must be GroupSpecs .* got TensorSpec"):
+        estimate([TensorSpec.from_shape("w", (4, 4))], shard_size=8)
+    with pytest.raises(TypeError, match="got one GroupSpec: use \\[group\\]"):
+        estimate(groups[0], shard_size=8)
+    with pytest.raises(ValueError, match="group 'none' has no tensors"):
+        estimate([GroupSpec("none", ())], shard_size=8)
+    with pytest.raises(ValueError, match="80 is under 1 MiB; for 80 GiB pass 80 \\* 2\\*\\*30"):
+        advise(groups, num_ranks=8, ranks_per_node=8, memory_bytes=80)

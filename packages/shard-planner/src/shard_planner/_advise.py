@@ -87,6 +87,11 @@ def advise(
         (8, 8)
     """
     check_count("memory_bytes", memory_bytes, 1)
+    if memory_bytes < 2**20:  # a count of GiB given as bytes would find nothing, silently
+        raise ValueError(
+            f"memory_bytes is in bytes: {memory_bytes} is under 1 MiB; for {memory_bytes} GiB "
+            f"pass {memory_bytes} * 2**30"
+        )
     check_count("activation_bytes", activation_bytes, 0)
     check_count("min_shard_size", min_shard_size, 1)
     out = []

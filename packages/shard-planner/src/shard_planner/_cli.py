@@ -7,6 +7,7 @@ line on stderr, never a traceback.
 from __future__ import annotations
 
 import argparse
+import math
 import pathlib
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -65,8 +66,8 @@ def _positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
     return value
 
 

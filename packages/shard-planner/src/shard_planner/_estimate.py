@@ -7,6 +7,7 @@ one rank holds and sends in a training step. The formulas are in its docstring.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -133,13 +134,38 @@ def _check_optimizer(optimizer: str, block_rows: int) -> None:
 
 
 def _check_links(intra_node_gbps: object, inter_node_gbps: object, latency_us: object) -> None:
-    """Bandwidths > 0 and a latency >= 0 (user input: checked for what came)."""
+    """Finite bandwidths > 0 and a finite latency >= 0 (user input: checked for what came)."""
     links = (("intra_node_gbps", intra_node_gbps), ("inter_node_gbps", inter_node_gbps))
     for name, value in links:
-        if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
-            raise ValueError(f"{name} must be a number > 0, got {value!r}")
-    if not isinstance(latency_us, int | float) or not latency_us >= 0:
-        raise ValueError(f"latency_us must be a number >= 0, got {latency_us!r}")
+        if not (isinstance(value, int | float) and _finite(value) and value > 0):
+            raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    if not (isinstance(latency_us, int | float) and _finite(latency_us) and latency_us >= 0):
+        raise ValueError(f"latency_us must be a finite number >= 0, got {latency_us!r}")
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_groups(groups: Sequence[GroupSpec]) -> tuple[GroupSpec, ...]:
+    """A non-empty sequence of GroupSpecs, each with at least one tensor."""
+    given: object = groups  # user input: check what came
+    if isinstance(given, GroupSpec):
+        raise TypeError("groups must be a sequence of GroupSpecs, got one GroupSpec: use [group]")
+    found: tuple[object, ...] = tuple(groups)
+    if not found:
+        raise ValueError("groups is empty: give the model's FSDP groups")
+    checked = []
+    for group in found:
+        if not isinstance(group, GroupSpec):
+            raise TypeError(
+                f"groups must be GroupSpecs (e.g. load_preset(name).groups); got "
+                f"{type(group).__name__} {group!r:.80}"
+            )
+        if not group.entries:
+            raise ValueError(f"group {group.name!r} has no tensors")
+        checked.append(group)
+    return tuple(checked)
 
 
 def estimate(
@@ -218,9 +244,7 @@ def estimate(
     _check_links(intra_node_gbps, inter_node_gbps, latency_us)
     if align_bytes % param_bytes:
         raise ValueError(f"align_bytes {align_bytes} is not a multiple of param_bytes")
-    groups = tuple(groups)
-    if not groups:
-        raise ValueError("groups is empty: give the model's FSDP groups")
+    groups = _check_groups(groups)
 
     layouts: dict[tuple[object, ...], tuple[Layout, list[int]]] = {}
     shard_sizes, optimizer_by_rank = [], [0] * shard_size
