@@ -35,6 +35,7 @@ from fsdp_engine._group import (
 from fsdp_engine._module import FSDPModule, state_of
 from fsdp_engine._spmd import SpmdMesh
 from fsdp_engine._state import STATE_ATTR, FSDPState
+from fsdp_engine._subclass import SubclassParam, gathers_itself
 from ragged_placement import RaggedShard
 
 BlockRowsArg = int | Mapping[str, int] | Callable[[str, nn.Parameter], int] | None
@@ -136,6 +137,11 @@ def fully_shard(
             dequantized into param_dtype; their block_rows default to the block's rows so
             that shards hold whole blocks. Or a function of (fqn, param) returning a
             BlockFloat8 or None (`_gather_format.py`).
+
+    A frozen parameter whose class implements FSDP2's all-gather extension
+    (`fsdp_pre_all_gather` / `fsdp_post_all_gather`, e.g. torchao's NF4Tensor) is sharded
+    and gathered as FSDP2 does: an even Shard(0) chunk cut by its class, gathered through its
+    hooks, outside the group's DBuffers (`_subclass.py`).
 
     Returns:
         The same module (or list), now FSDPModule(s).
@@ -274,6 +280,8 @@ class _Found:
 
     def __init__(self) -> None:
         self.names: dict[nn.Parameter, str] = {}
+        # Tensor-subclass parameters with FSDP2's all-gather hooks: gathered by those.
+        self.subclass: dict[nn.Parameter, str] = {}
         self.locations: dict[nn.Parameter, list[Location]] = {}
         # With dp_mesh_dims: what each DTensor parameter's DBuffer shards (its piece on the
         # non-data axes), and which axes of its mesh are data axes.
@@ -310,9 +318,9 @@ def _collect_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]) 
                         f"group only: call fully_shard on a module that holds every use "
                         f"(e.g. [embedding, output] as one group, or their parent)"
                     )
-                _check_param(fqn, param)
-                if param not in found.names:
-                    found.names[param] = fqn
+                names = found.subclass if _check_param(fqn, param) else found.names
+                if param not in names:
+                    names[param] = fqn
                     found.locations[param] = []
                 found.locations[param].append((sub, attr))
     return found
@@ -333,7 +341,8 @@ def _modules_outside_groups(root: nn.Module) -> list[tuple[str, nn.Module]]:
     return out
 
 
-def _check_param(fqn: str, param: nn.Parameter) -> None:
+def _check_param(fqn: str, param: nn.Parameter) -> bool:
+    """Checks that fully_shard can take `param`; True if its class gathers it (`_subclass`)."""
     if param.dim() == 0:
         raise ValueError(
             f"parameter {fqn!r} is a scalar (0-d); fully_shard shards tensors with at least "
@@ -346,19 +355,26 @@ def _check_param(fqn: str, param: nn.Parameter) -> None:
             f"weight tied to a sharded group's parameter after fully_shard; tie weights "
             f"before fully_shard and shard every use in one group"
         )
+    outer = type(data).__name__
     if isinstance(data, DTensor):  # tensor / expert parallel: DBuffer shards its local piece
         with torch.no_grad():
             data = data.to_local()
     if type(data) is not torch.Tensor:
+        if outer == type(data).__name__ and gathers_itself(data):
+            return True
         raise TypeError(
-            f"parameter {fqn!r} is a {type(data).__name__}; fully_shard takes plain tensors "
-            f"or DTensors over plain tensors (tensor or expert parallel)"
+            f"parameter {fqn!r} is a {outer}"
+            + (f" over a {type(data).__name__}" if outer != type(data).__name__ else "")
+            + "; fully_shard takes plain tensors, DTensors over plain tensors (tensor or "
+            "expert parallel), or tensor subclasses with FSDP2's fsdp_pre_all_gather / "
+            "fsdp_post_all_gather hooks (e.g. torchao's NF4Tensor)"
         )
     if not data.is_contiguous():
         raise ValueError(
             f"parameter {fqn!r} is not contiguous (shape {tuple(data.shape)}, stride "
             f"{data.stride()}); make it contiguous before fully_shard"
         )
+    return False
 
 
 @dataclass(frozen=True)
@@ -454,7 +470,7 @@ def _build_group(
     mp_policy: MixedPrecisionPolicy,
     label: str,
 ) -> ParamGroup | None:
-    if not found.names:
+    if not found.names and not found.subclass:
         return None
     device = _target_device(found, mesh)
     # One DBuffer per (dtype, mesh and axes, gather format): experts on their own mesh apart.
@@ -488,19 +504,24 @@ def _build_group(
             else None
         )
         managed.append(ManagedParam(name, found.locations[param], buffer, sharded, parallel))
-    group = ParamGroup(managed, mesh, mp_policy, label)
-    for param in found.names:
+    subclass_params = [
+        SubclassParam.shard(
+            name, found.locations[param], param, mesh, mesh.ndim - 1, mp_policy, device
+        )
+        for param, name in found.subclass.items()
+    ]
+    group = ParamGroup(managed, mesh, mp_policy, label, subclass_params)
+    for param in [*found.names, *found.subclass]:
         _record_managed(param, label)
     group.reshard()  # registers the sharded parameters
     return group
 
 
 def _target_device(found: _Found, mesh: DeviceMesh) -> torch.device:
-    devices = {p.device for p in found.names}
+    names = found.names | found.subclass
+    devices = {p.device for p in names}
     if len(devices) > 1:
-        by_device = {
-            str(d): found.names[next(p for p in found.names if p.device == d)] for d in devices
-        }
+        by_device = {str(d): names[next(p for p in names if p.device == d)] for d in devices}
         raise ValueError(
             f"fully_shard needs the group's parameters on one device; found {by_device} "
             f"(device: first parameter on it)"

@@ -47,6 +47,8 @@
   dynamo read.
 - `flatten_axes(mesh, names)`: `DeviceMesh._flatten`, the one way to make one axis of several
   named ones (`DataParallelMeshDims(shard=("dp_shard", "cp"))`).
+- `all_gather_single`: torch.distributed's name since 2.13; before, the same collective is
+  `all_gather_into_tensor` (chosen once, by which name exists).
 Tested on the torch versions `ragged_placement.SUPPORTED_TORCH` names; others are refused at
 import.
 """
@@ -64,6 +66,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.fsdp as torch_fsdp
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -78,6 +81,7 @@ __all__ = [
     "TorchFSDPModule",
     "TorchGradientReductionHandle",
     "TorchUnshardHandle",
+    "all_gather_single",
     "flatten_axes",
     "foreach_mul_",
     "foreach_norm",
@@ -97,6 +101,8 @@ __all__ = [
 # torch's multi-tensor ops (what clip_grad_norm_'s foreach path runs), underscored in torch.
 foreach_mul_ = torch._foreach_mul_
 foreach_norm = torch._foreach_norm
+
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 TorchFSDPModule = torch_fsdp.FSDPModule
 TorchUnshardHandle = torch_fsdp.UnshardHandle

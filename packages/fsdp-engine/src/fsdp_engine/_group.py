@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,9 @@ from dbuffer import DBuffer, Handle
 from fsdp_engine._compat import parameter_slots, post_accumulate_grad_hooks, profiler_range
 from fsdp_engine._config import GroupConfig
 from ragged_placement import flat_range
+
+if TYPE_CHECKING:
+    from fsdp_engine._subclass import SubclassParam
 
 Location = tuple[nn.Module, str]
 
@@ -114,12 +117,15 @@ class ParamGroup:
         mesh: The group's mesh (1-D, or 2-D (replicate, shard) for HSDP).
         mp_policy: The mixed-precision policy.
         label: A name for profiler ranges and errors (the module's class name).
+        subclass_params: Tensor-subclass parameters gathered by their own hooks
+            (`_subclass.py`): frozen, outside the DBuffers, gathered and freed with them.
     """
 
     params: list[ManagedParam]
     mesh: DeviceMesh
     mp_policy: MixedPrecisionPolicy
     label: str
+    subclass_params: list[SubclassParam] = field(default_factory=list)
     _unshard_handles: list[Handle] = field(default_factory=list)
     _reduction: _Reduction | None = None
     _received: set[ManagedParam] = field(default_factory=set)  # got a gradient since the reduce
@@ -141,6 +147,11 @@ class ParamGroup:
         self._slots = [
             (parameter_slots(module), attr, p) for p in self.params for module, attr in p.locations
         ]
+        self._subclass_slots = [
+            (parameter_slots(module), attr, p)
+            for p in self.subclass_params
+            for module, attr in p.locations
+        ]
 
     def slots_in(
         self, modules: set[nn.Module]
@@ -160,9 +171,12 @@ class ParamGroup:
     def is_unsharded(self) -> bool:
         """Whether the group's buffers hold gathered memory (their state, read here).
 
-        They are gathered and freed together, so the first one speaks for all.
+        They are gathered and freed together (with the tensor-subclass parameters), so the
+        first one speaks for all.
         """
-        return self.buffers[0].is_unsharded
+        if self.buffers:
+            return self.buffers[0].is_unsharded
+        return self.subclass_params[0].is_unsharded
 
     def _compute_dtype(self, buffer: DBuffer) -> torch.dtype | None:
         dtype = self.mp_policy.param_dtype
@@ -185,6 +199,9 @@ class ParamGroup:
                 buffer.unshard(dtype=self._compute_dtype(buffer), async_op=async_op)
                 for buffer in self.buffers
             ]
+            self._unshard_handles += [
+                param.unshard(async_op=async_op) for param in self.subclass_params
+            ]
         return self._unshard_handles
 
     def wait_for_unshard(self) -> None:
@@ -204,12 +221,15 @@ class ParamGroup:
                 param.compute_dtype = dtype
         for slots, attr, param in self._slots:
             slots[attr] = param.unsharded
+        for slots, attr, subclass_param in self._subclass_slots:
+            slots[attr] = subclass_param.gathered()
 
     def set_post_forward_parts(self, parts: int) -> None:
         """After forward, keep 1/`parts` of each gathered buffer (`reshard_after_forward=int`).
 
         Backward then gathers over the `parts` consecutive ranks of this rank's shard axis
-        only. The process groups are made here, once per set of ranks, by their members only.
+        only (tensor-subclass parameters are freed whole and gathered again). The process
+        groups are made here, once per set of ranks, by their members only.
         """
         self._keep_groups = {}
         for buffer in self.buffers:
@@ -234,9 +254,13 @@ class ParamGroup:
             keep = self._keep_groups if keep_part else {}
             for buffer in self.buffers:
                 buffer.reshard(keep_group=keep.get(buffer))
+            for subclass_param in self.subclass_params:
+                subclass_param.reshard()
             self._unshard_handles = []
         for slots, attr, param in self._slots:
             slots[attr] = param.sharded
+        for slots, attr, subclass_param in self._subclass_slots:
+            slots[attr] = subclass_param.sharded
 
     # -- gradients ----------------------------------------------------------------------------
 
@@ -382,7 +406,8 @@ def adopt_assigned(group: ParamGroup, modules: set[nn.Module]) -> None:
     taken as a DTensor with the parameter's mesh and placements (what `model.state_dict()`
     gives, and torch's `distribute_tensor` with those placements), or, for a parameter
     without tensor parallelism, as the full tensor (each rank keeps its rows). A group built
-    on the meta device gets its memory on the assigned tensors' device first.
+    on the meta device gets its memory on the assigned tensors' device first. A
+    tensor-subclass parameter takes the assigned DTensor itself (`SubclassParam.adopt`).
 
     Args:
         group: The group whose modules were loaded.
@@ -392,6 +417,13 @@ def adopt_assigned(group: ParamGroup, modules: set[nn.Module]) -> None:
         (slots, attr, param, _assigned_values(param, slots[attr]))
         for slots, attr, param in group.slots_in(modules)
         if slots[attr] is not param.sharded and slots[attr] is not param.unsharded
+    ]
+    wanted = {id(m) for m in modules}
+    subclass_assigned = [
+        (slots, attr, p, slots[attr])
+        for p in group.subclass_params
+        for module, attr in p.locations
+        if id(module) in wanted and (slots := parameter_slots(module))[attr] is not p.sharded
     ]
     real = [values.device for *_, values in assigned if values.device.type != "meta"]
     if real and group.params[0].buffer.device.type == "meta":
@@ -403,6 +435,9 @@ def adopt_assigned(group: ParamGroup, modules: set[nn.Module]) -> None:
             sharded_param(param).to_local().copy_(values)
         group.unloaded.discard(param.name)
         slots[attr] = param.sharded
+    for slots, attr, subclass_param, value in subclass_assigned:
+        subclass_param.adopt(value)
+        slots[attr] = subclass_param.sharded
 
 
 def sharded_param(param: ManagedParam) -> DTensor:
@@ -474,14 +509,14 @@ def used_anywhere(groups: list[ParamGroup]) -> list[list[bool]]:
     One small all-reduce per mesh axis serves all the groups together.
     """
     flags = [group.received() for group in groups]
-    if not groups:
+    mine = [f for group in flags for f in group]
+    if not mine:  # no trainable parameters (frozen tensor-subclass ones only)
         return flags
     mesh = groups[0].mesh
     axes = [axis for axis in range(mesh.ndim) if mesh.size(axis) > 1]
     if not axes:
         return flags
-    device = groups[0].params[0].buffer.device
-    mine = [f for group in flags for f in group]
+    device = next(group.params[0].buffer.device for group in groups if group.params)
     # Used here means used somewhere: then this rank only takes part in the all-reduce.
     # Reading the result would make the host wait for the device at every step.
     used_here = all(mine)
@@ -501,7 +536,11 @@ def used_anywhere(groups: list[ParamGroup]) -> list[list[bool]]:
 
 
 def move_storage(group: ParamGroup, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """Applies `fn` (a device / dtype conversion) to every DBuffer and rebinds the params."""
+    """Applies `fn` (a device / dtype conversion) to every DBuffer and rebinds the params.
+
+    Tensor-subclass parameters are converted apart (`SubclassParam.convert`), first: a
+    conversion that would change their class is refused before anything moves.
+    """
     group.reshard()
     for buffer in group.buffers:
         buffer.apply_(fn)

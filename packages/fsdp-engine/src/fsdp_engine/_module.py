@@ -29,8 +29,9 @@ from fsdp_engine._compat import (
     parameter_slots,
     torch_fsdp_methods,
 )
-from fsdp_engine._group import move_storage
+from fsdp_engine._group import ManagedParam, move_storage
 from fsdp_engine._state import STATE_ATTR, FSDPState, states_under
+from fsdp_engine._subclass import SubclassParam
 
 
 class UnshardHandle(TorchUnshardHandle):
@@ -442,7 +443,10 @@ class FSDPModule(ApplyOverride, TorchFSDPModule):
         if group is None:
             return apply()
         group.reshard()
-        saved = [(p, module, attr) for p in group.params for module, attr in p.locations]
+        for subclass_param in group.subclass_params:  # first: it may refuse the conversion
+            subclass_param.convert(fn)
+        held: list[ManagedParam | SubclassParam] = [*group.params, *group.subclass_params]
+        saved = [(p, module, attr) for p in held for module, attr in p.locations]
         for _, module, attr in saved:
             del parameter_slots(module)[attr]
         try:
