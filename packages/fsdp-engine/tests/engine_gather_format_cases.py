@@ -17,7 +17,7 @@ from rank_pool import expect_error
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from dbuffer import BlockFloat8
 from fsdp_engine import FSDPModule, fully_shard
@@ -189,3 +189,61 @@ def check_gather_format_bad_input() -> None:
         "gather_format for 'embed.weight' must be a BlockFloat8 or None",
     )
     expect_error(TypeError, lambda: fully_shard(_Net(), mesh=mesh, gather_format="fp8"), "str")
+
+
+def check_float8_gather_with_tensor_parallel() -> None:
+    """fp8 gathers of tensor-parallel pieces (dp 2 x tp 2): each piece's blocks, exactly.
+
+    Blocks of 2 x 24 tile every tensor-parallel piece of torch's test Transformer (rows split
+    by ColwiseParallel, columns by RowwiseParallel), so the quantize-dequantize of each
+    gathered piece equals that piece of the full tensor's; the loss equals one process's
+    with every matrix quantize-dequantized.
+    """
+    import tp_cases
+
+    block = (2, 24)
+    fmt = BlockFloat8(block)
+    _, dp_mesh, tp_mesh = tp_cases.make_mesh((2, 2))
+    reference = tp_cases._model(torch.float32)
+    model = tp_cases._model(torch.float32)
+    tp_cases.Transformer.parallelize(model, tp_mesh, False, True)
+    for layer in model.layers:
+        fully_shard(layer, mesh=dp_mesh, gather_format=fmt)
+    fully_shard(model, mesh=dp_mesh, gather_format=fmt)
+    masters = dict(reference.named_parameters())
+    groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for group in groups:
+        group.unshard()
+    checked = 0
+    for name, p in model.named_parameters():
+        piece, local = masters[name].detach(), p.detach()
+        if isinstance(p, DTensor):  # a tensor-parallel piece (norms are plain tensors)
+            assert p.device_mesh == tp_mesh, name
+            local = p.to_local()
+            for placement in p.placements:
+                if isinstance(placement, Shard):
+                    size, index = tp_mesh.size(), tp_mesh.get_local_rank()
+                    piece = piece.chunk(size, placement.dim)[index].contiguous()
+            checked += isinstance(p.placements[0], Shard)
+        if p.dim() >= 2:
+            piece = reference_block_qdq(piece, block, fmt.dtype, p.dtype)
+        assert torch.equal(local, piece), name
+    # Pieces cut by tensor parallelism: 2 embeddings, per layer 4 attention and 2
+    # feed-forward matrices and w1's bias, the output.
+    assert checked == 2 + 7 * len(model.layers) + 1, checked
+    for group in groups:
+        group.reshard()
+    tokens = torch.randint(0, 24, (4, 12), generator=torch.Generator().manual_seed(1))
+    replica = dp_mesh.get_local_rank()
+    loss = tp_cases._loss(model, tokens[replica * 2 : (replica + 1) * 2])
+    total = loss.detach().clone()
+    dist.all_reduce(total)  # each replica's loss, counted once per tensor-parallel rank
+    weights = {
+        n: reference_block_qdq(p.detach(), block, fmt.dtype, p.dtype) if p.dim() >= 2 else p
+        for n, p in reference.named_parameters()
+    }
+    expected = torch.func.functional_call(reference, weights, (tokens,))
+    expected_loss = nn.functional.cross_entropy(
+        expected[:, :-1].reshape(-1, expected.shape[-1]), tokens[:, 1:].reshape(-1)
+    )
+    torch.testing.assert_close(total / 4, expected_loss.detach(), rtol=1e-5, atol=1e-6)

@@ -11,10 +11,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from profiling import gathered_bytes
 from rank_pool import expect_error
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torchao.quantization import to_nf4
@@ -28,32 +30,39 @@ STEPS = 3
 
 
 class _LoRALinear(nn.Module):
-    def __init__(self, dim_in: int, dim_out: int, rank: int = 4) -> None:
+    def __init__(self, dim_in: int, dim_out: int, rank: int = 4, nf4: bool = True) -> None:
         super().__init__()
-        base = torch.randn(dim_out, dim_in) / dim_in**0.5
-        self.weight = nn.Parameter(to_nf4(base), requires_grad=False)
+        base = to_nf4(torch.randn(dim_out, dim_in) / dim_in**0.5)
+        # nf4=False: the same frozen weights, dequantized (a plain parameter in a DBuffer).
+        self.weight = nn.Parameter(base if nf4 else base.get_original_weight(), requires_grad=False)
         self.lora_a = nn.Linear(dim_in, rank, bias=False)
         self.lora_b = nn.Linear(rank, dim_out, bias=False)
         nn.init.normal_(self.lora_b.weight, std=0.02)  # not zero: the step moves both
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_nf4(x, self.weight) + self.lora_b(self.lora_a(x))
+        if isinstance(self.weight, NF4Tensor) or isinstance(
+            getattr(self.weight, "_local_tensor", None), NF4Tensor
+        ):
+            base = linear_nf4(x, self.weight)
+        else:
+            base = nn.functional.linear(x, self.weight)
+        return base + self.lora_b(self.lora_a(x))
 
 
 class _Block(nn.Module):
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, nf4: bool = True) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(dim)
-        self.up = _LoRALinear(dim, 4 * dim)
-        self.down = _LoRALinear(4 * dim, dim)
+        self.up = _LoRALinear(dim, 4 * dim, nf4=nf4)
+        self.down = _LoRALinear(4 * dim, dim, nf4=nf4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.down(torch.relu(self.up(self.norm(x))))
 
 
-def _model(seed: int = 0) -> nn.Sequential:
+def _model(seed: int = 0, nf4: bool = True) -> nn.Sequential:
     torch.manual_seed(seed)
-    return nn.Sequential(_Block(DIM), _Block(DIM))
+    return nn.Sequential(_Block(DIM, nf4), _Block(DIM, nf4))
 
 
 def _batches(world: int) -> list[torch.Tensor]:
@@ -202,6 +211,30 @@ def check_nf4_checkpoint(directory: str) -> None:
         torch.testing.assert_close(
             _train(on_meta, batches[1:], rows), next_losses, rtol=1e-5, atol=0
         )
+
+
+def check_nf4_gather_bytes() -> dict[str, Any]:
+    """The bytes one rank receives in a step's gathers: NF4 base weights against bf16 ones.
+
+    Both models gather in bf16 (`param_dtype`) what is not NF4: LoRA adapters and norms.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = _mesh(False)
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    batch = _batches(world)[0][rank * ROWS_PER_RANK : (rank + 1) * ROWS_PER_RANK]
+    counts = {}
+    for key, nf4 in (("bf16", False), ("nf4", True)):
+        model = _shard(_model(nf4=nf4), "ours", mesh, mp_policy=bf16)
+        counts[key] = gathered_bytes(lambda m=model: m(batch).float().pow(2).mean().backward())
+    # NF4 by its format: per 64 weights 32 bytes of codes and a 1-byte scale, per 256 scales
+    # a 4-byte factor (128 bytes per 64 weights in bf16); the adapters and norms in bf16 from
+    # their DBuffers (padding included). Each is gathered in forward and again in backward.
+    nf4_weights = 4 * 512 * DIM
+    nf4_bytes = nf4_weights // 64 * 33 + nf4_weights // (64 * 256) * 4
+    buffers = [b for block in model for b in block._fsdp_engine_state.group.buffers]
+    buffer_bytes = sum(2 * world * b.shard_size for b in buffers)
+    assert counts["nf4"] == 2 * (nf4_bytes + buffer_bytes) * (world - 1) // world, counts
+    return {**counts, "ratio": counts["nf4"] / counts["bf16"]}
 
 
 def check_nf4_bad_input() -> None:

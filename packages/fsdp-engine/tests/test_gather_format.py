@@ -13,6 +13,10 @@ def test_float8_gathers_under_hsdp(pools) -> None:
     pools[4].run(cases.check_float8_gather_training, 2, True)
 
 
+def test_float8_gathers_of_tensor_parallel_pieces(pools) -> None:
+    pools[4].run(cases.check_float8_gather_with_tensor_parallel)
+
+
 @pytest.mark.parametrize("world", [1, 2, 3])  # 4: its shards would pad a block (see the case)
 def test_float8_gathers_move_half_the_bytes(pools, world) -> None:
     for result in pools[world].run(cases.check_float8_gather_bytes):

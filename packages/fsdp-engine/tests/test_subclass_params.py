@@ -21,6 +21,12 @@ def test_nf4_checkpoint_round_trip_and_fsdp2_interop(pools, tmp_path) -> None:
     pools[2].run(cases.check_nf4_checkpoint, str(tmp_path))
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_nf4_gathers_move_the_formats_bytes(pools, world) -> None:
+    for result in pools[world].run(cases.check_nf4_gather_bytes):
+        print(f"W={world}: gathered bytes {result}")
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_nf4_bad_input(pools, world) -> None:
     pools[world].run(cases.check_nf4_bad_input)
