@@ -76,6 +76,7 @@ def check_estimate_matches(mode: str, optimizer: str) -> dict[str, Any]:
         replicate_size=replicas,
         block_rows=block_rows,
         optimizer=optimizer,
+        allow_idle_ranks=True,  # as the DBuffers below: small groups may leave ranks idle
     )
     gen = torch.Generator().manual_seed(0)
     buffers = [

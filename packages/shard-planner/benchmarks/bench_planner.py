@@ -7,7 +7,9 @@ Prints:
    MoE layer with 782 tensors, and synthetic 1,000-tensor groups with mixed blocks), and a
    whole DeepSeek-V3-671B preset at W=1024, every group planned (no caching). Targets: < 0.3 s
    per group and < 2 s per preset, in pure Python.
-2. Quality on every preset for W in {8 ... 10240} and block_rows in {1, 16, 32}: worst
+2. `advise` over every mesh split: DeepSeek-V3-671B at 1024 ranks (< 3 s) and the 2.4T
+   synthetic MoE at 10240 ranks (< 10 s), the preset loaded each time.
+3. Quality on every preset for W in {8 ... 10240} and block_rows in {1, 16, 32}: worst
    S / lower_bound over the groups, our padding, the lower bound's padding, FSDP2's padding.
 """
 
@@ -18,7 +20,7 @@ import random
 import statistics
 import time
 
-from shard_planner import TensorSpec, load_preset, plan_layout, preset_names
+from shard_planner import TensorSpec, advise, load_preset, plan_layout, preset_names
 from shard_planner._report import compare_case, format_table
 
 WORLD_SIZES = (8, 64, 256, 1024, 3072, 8192, 10240)
@@ -83,6 +85,27 @@ def speed(repeats: int) -> None:
         )
 
 
+def advise_speed(repeats: int) -> None:
+    """`advise` over every (replicate, shard) split, presets loaded fresh each time."""
+    print("\n== advise (every split of the ranks; seconds, median and max) ==")
+    for name, ranks, target in (
+        ("deepseek-v3-671b", 1024, 3),
+        ("synthetic-moe-2.4t", 10240, 10),
+    ):
+        med, worst = _timed(
+            lambda name=name, ranks=ranks: advise(
+                load_preset(name).groups,
+                num_ranks=ranks,
+                ranks_per_node=8,
+                memory_bytes=80 * 2**30,
+                compute_bytes=2,
+                include_all=True,
+            ),
+            repeats,
+        )
+        print(f"{name} at {ranks} ranks: median {med:.2f}  max {worst:.2f}  (target < {target})")
+
+
 def quality(world_sizes: tuple[int, ...]) -> None:
     print("\n== quality: padding in % of the model; S/bound is the worst group ==")
     for name in preset_names():
@@ -97,6 +120,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repeats and world sizes")
     args = parser.parse_args()
     speed(repeats=2 if args.quick else 5)
+    advise_speed(repeats=1 if args.quick else 3)
     quality((8, 1024, 10240) if args.quick else WORLD_SIZES)
 
 

@@ -24,6 +24,7 @@ from shard_planner._presets import (
     ModelPreset,
     load_group_file,
     load_preset,
+    parse_model,
     preset_names,
 )
 from shard_planner._report import explain_padding
@@ -53,6 +54,7 @@ __all__ = [
     "load_plan",
     "load_preset",
     "lower_bound",
+    "parse_model",
     "plan_layout",
     "preset_names",
 ]

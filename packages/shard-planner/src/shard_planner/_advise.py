@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from shard_planner._estimate import Estimate, estimate
+from shard_planner._estimate import BlockTooLargeError, Estimate, estimate
 from shard_planner._presets import GroupSpec
 from shard_planner._spec import check_count
 
@@ -21,6 +21,7 @@ class Candidate:
         estimate: Memory and communication of this split.
         memory_bytes: Peak per rank, `estimate.memory_bytes` plus the activations given.
         fits: Whether `memory_bytes` is within the budget.
+        headroom: The budget's fraction left free at the peak (negative: over budget).
     """
 
     replicate_size: int
@@ -28,6 +29,7 @@ class Candidate:
     estimate: Estimate
     memory_bytes: int
     fits: bool = True
+    headroom: float = 0.0
 
     def __post_init__(self) -> None:
         if self.replicate_size * self.shard_size != self.estimate.num_ranks:
@@ -54,15 +56,19 @@ def advise(
     memory_bytes: int,
     activation_bytes: int = 0,
     min_shard_size: int = 1,
+    min_headroom: float = 0.1,
     include_all: bool = False,
     **options: Any,
 ) -> list[Candidate]:
-    """Every (replicate, shard) factorisation of `num_ranks` whose memory fits, fastest first.
+    """Every (replicate, shard) factorisation of `num_ranks` whose memory fits, best first.
 
     Each split is estimated with `estimate(groups, shard_size=W, replicate_size=R, ...)`; it
     fits when its peak per rank (`Estimate.memory_bytes` + `activation_bytes`) is at most
-    `memory_bytes`. Candidates are ranked by predicted communication time per step, then by
-    padding, then by memory.
+    `memory_bytes`. Splits that leave at least `min_headroom` of the budget free come first,
+    then the others; within each, candidates are ranked by predicted communication time, and
+    times within 1% of the fastest remaining count as a tie, won by the most headroom (then
+    the least padding). Shard sizes with fewer blocks than ranks in some group (ranks that
+    would hold only padding) are skipped.
 
     Args:
         groups: The model's FSDP groups.
@@ -71,6 +77,8 @@ def advise(
         memory_bytes: Memory per rank available for the model's state and transients.
         activation_bytes: Added to every candidate's peak (activations, workspace).
         min_shard_size: Skip splits with W below this (e.g. to keep some sharding).
+        min_headroom: The fraction of `memory_bytes` a split should leave free to rank
+            first (activations not counted, fragmentation), in [0, 1).
         include_all: Also return the splits that do not fit (`fits=False`), after the
             fitting ones, by memory.
         **options: Passed to `estimate` (param_bytes, grad_bytes, compute_bytes, optimizer,
@@ -78,6 +86,9 @@ def advise(
 
     Returns:
         The fitting candidates, best first (empty when none fits).
+
+    Raises:
+        ValueError: Bad arguments, or every shard size leaves ranks with only padding.
 
     Example:
         >>> from shard_planner import load_preset
@@ -94,23 +105,48 @@ def advise(
         )
     check_count("activation_bytes", activation_bytes, 0)
     check_count("min_shard_size", min_shard_size, 1)
-    out = []
+    given: object = min_headroom  # user input: check what came
+    if not isinstance(given, int | float) or isinstance(given, bool) or not 0 <= given < 1:
+        raise ValueError(f"min_headroom must be a fraction in [0, 1), got {min_headroom!r}")
+    out, refused = [], []
     for replicate, shard in factorisations(num_ranks):
         if shard < min_shard_size:
             continue
-        est = estimate(
-            groups,
-            shard_size=shard,
-            replicate_size=replicate,
-            ranks_per_node=ranks_per_node,
-            **options,
-        )
+        try:
+            est = estimate(
+                groups,
+                shard_size=shard,
+                replicate_size=replicate,
+                ranks_per_node=ranks_per_node,
+                **options,
+            )
+        except BlockTooLargeError as err:
+            refused.append(err)
+            continue
         peak = est.memory_bytes + activation_bytes
+        headroom = 1 - peak / memory_bytes
         if peak <= memory_bytes or include_all:
-            out.append(Candidate(replicate, shard, est, peak, peak <= memory_bytes))
+            out.append(Candidate(replicate, shard, est, peak, peak <= memory_bytes, headroom))
+    if refused and not out:
+        raise refused[0]
     fitting = [c for c in out if c.fits]
-    fitting.sort(
-        key=lambda c: (c.estimate.comm_time_s, c.estimate.padding_elements, c.memory_bytes)
-    )
+    roomy = _rank([c for c in fitting if c.headroom >= min_headroom])
+    tight = _rank([c for c in fitting if c.headroom < min_headroom])
     rest = sorted((c for c in out if not c.fits), key=lambda c: c.memory_bytes)
-    return fitting + rest
+    return roomy + tight + rest
+
+
+TIE = 0.01  # predicted times this close (relative) are a tie: the model is not that precise
+
+
+def _rank(candidates: list[Candidate]) -> list[Candidate]:
+    """Fastest first; among those within `TIE` of the fastest left, the most headroom wins."""
+    left = sorted(candidates, key=lambda c: c.estimate.comm_time_s)
+    ranked = []
+    while left:
+        limit = left[0].estimate.comm_time_s * (1 + TIE)
+        tied = [c for c in left if c.estimate.comm_time_s <= limit]
+        best = max(tied, key=lambda c: (c.headroom, -c.estimate.padding_elements))
+        ranked.append(best)
+        left.remove(best)
+    return ranked

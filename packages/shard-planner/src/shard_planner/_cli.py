@@ -191,6 +191,7 @@ def _cost_options(args: argparse.Namespace) -> dict[str, Any]:
         "intra_node_gbps": args.intra_node_gbps,
         "inter_node_gbps": args.inter_node_gbps,
         "latency_us": args.latency_us,
+        "hop_latency_us": args.hop_latency_us,
     }
 
 
@@ -223,6 +224,7 @@ def _cmd_advise(args: argparse.Namespace) -> None:
         ranks_per_node=args.ranks_per_node,
         memory_bytes=memory,
         activation_bytes=int(args.activation_gb * 2**30),
+        min_headroom=args.min_headroom,
         include_all=True,
         **_cost_options(args),
     )
@@ -297,7 +299,8 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
         p.add_argument("--intra-node-gbps", type=_positive_float, default=400.0)
         p.add_argument("--inter-node-gbps", type=_positive_float, default=50.0)
-        p.add_argument("--latency-us", type=_positive_float, default=20.0)
+        p.add_argument("--latency-us", type=_positive_float, default=20.0, help="per collective")
+        p.add_argument("--hop-latency-us", type=_positive_float, default=2.0, help="per ring step")
         p.add_argument("--json", help="also write the result as JSON here")
 
     est = sub.add_parser("estimate", help="memory per rank and communication per step")
@@ -311,6 +314,12 @@ def _parser() -> argparse.ArgumentParser:
     adv.add_argument("--ranks", type=_positive, required=True)
     adv.add_argument("--memory-gb", type=_positive_float, required=True, help="GiB per rank")
     adv.add_argument("--activation-gb", type=_positive_float, default=0.0)
+    adv.add_argument(
+        "--min-headroom",
+        type=_positive_float,
+        default=0.1,
+        help="fraction of memory a split should leave free to rank first (default 0.1)",
+    )
     adv.add_argument("--plot", help="padding and memory vs shard size, PNG (needs matplotlib)")
     adv.set_defaults(run=_cmd_advise)
     return parser

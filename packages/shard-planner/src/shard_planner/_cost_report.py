@@ -37,14 +37,15 @@ def format_estimate(est: Estimate) -> str:
 def format_candidates(candidates: Sequence[Candidate], memory_bytes: int) -> str:
     """The ranking as a markdown table; splits that do not fit are marked."""
     lines = [
-        "| rank | replicate x shard | comm s/step | padding | memory GiB/rank | fits |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| rank | replicate x shard | comm s/step | padding | memory GiB/rank | headroom | fits |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for i, c in enumerate(candidates, 1):
         lines.append(
             f"| {i if c.fits else '-'} | {c.replicate_size} x {c.shard_size} | "
             f"{c.estimate.comm_time_s:.3f} | {100 * c.estimate.padding_ratio:.2f}% | "
-            f"{c.memory_bytes / _GIB:.1f} | {'yes' if c.fits else 'no'} |"
+            f"{c.memory_bytes / _GIB:.1f} | {100 * c.headroom:.0f}% | "
+            f"{'yes' if c.fits else 'no'} |"
         )
     fitting = [c for c in candidates if c.fits]
     if not fitting:

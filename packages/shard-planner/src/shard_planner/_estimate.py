@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from shard_planner._layout import Layout
 from shard_planner._plan import plan_layout
 from shard_planner._presets import GroupSpec
-from shard_planner._spec import check_count
+from shard_planner._spec import TensorSpec, check_count
 
 OPTIMIZERS = ("adamw", "adamw8bit", "muon", "sgd")
 QUANT_BLOCK = 32  # AdamW8bit's block: 32 x 32
@@ -119,8 +119,17 @@ def _optimizer_per_rank(layout: Layout, optimizer: str, param_bytes: int) -> lis
     return out
 
 
-def _link_gbps(group_span: int, ranks_per_node: int, intra: float, inter: float) -> float:
-    return intra if group_span <= ranks_per_node else inter
+def _crosses_nodes(size: int, stride: int, num_ranks: int, ranks_per_node: int) -> bool:
+    """Whether any group of `size` ranks `stride` apart touches two nodes.
+
+    Shard groups are consecutive ranks (stride 1, starting at multiples of `size`); replica
+    groups are strided by W (stride W, starting at 0 .. W - 1). Nodes hold consecutive ranks.
+    """
+    if size == 1:
+        return False
+    span = (size - 1) * stride
+    starts = range(0, num_ranks, size) if stride == 1 else range(stride)
+    return any(s // ranks_per_node != (s + span) // ranks_per_node for s in starts)
 
 
 def _check_optimizer(optimizer: str, block_rows: int) -> None:
@@ -133,18 +142,36 @@ def _check_optimizer(optimizer: str, block_rows: int) -> None:
         )
 
 
-def _check_links(intra_node_gbps: object, inter_node_gbps: object, latency_us: object) -> None:
-    """Finite bandwidths > 0 and a finite latency >= 0 (user input: checked for what came)."""
-    links = (("intra_node_gbps", intra_node_gbps), ("inter_node_gbps", inter_node_gbps))
-    for name, value in links:
-        if not (isinstance(value, int | float) and _finite(value) and value > 0):
-            raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    if not (isinstance(latency_us, int | float) and _finite(latency_us) and latency_us >= 0):
-        raise ValueError(f"latency_us must be a finite number >= 0, got {latency_us!r}")
+def _check_links(**links: object) -> None:
+    """Finite bandwidths > 0 and finite latencies >= 0 (user input: checked for what came)."""
+    for name, value in links.items():
+        low = 0 if name.endswith("_us") else None
+        ok = isinstance(value, int | float) and _finite(value)
+        if not ok or (value <= 0 if low is None else value < low):  # type: ignore[operator]
+            bound = ">= 0" if low is not None else "> 0"
+            raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
 
 
 def _finite(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+class BlockTooLargeError(ValueError):
+    """A group has fewer unsplittable blocks than ranks: some would hold only padding."""
+
+
+def _check_blocks_fit(group: GroupSpec, specs: Sequence[TensorSpec], shard_size: int) -> None:
+    """At least one block per rank: with fewer, a rank's shard is all padding."""
+    num_blocks = sum(-(-s.numel // s.atom) for s in specs if s.numel)
+    if num_blocks < shard_size:
+        largest = max(specs, key=lambda s: s.atom)
+        raise BlockTooLargeError(
+            f"group {group.name!r} has {num_blocks:,} blocks in all (largest: "
+            f"{largest.name!r}, {largest.atom:,} elements), fewer than W={shard_size} ranks: "
+            f"no shard boundary may cut a block, so {shard_size - num_blocks:,} ranks would "
+            f"hold only padding; use smaller block_rows or W <= {num_blocks} (or "
+            f"allow_idle_ranks=True)"
+        )
 
 
 def _check_groups(groups: Sequence[GroupSpec]) -> tuple[GroupSpec, ...]:
@@ -183,6 +210,8 @@ def estimate(
     intra_node_gbps: float = 400.0,
     inter_node_gbps: float = 50.0,
     latency_us: float = 20.0,
+    hop_latency_us: float = 2.0,
+    allow_idle_ranks: bool = False,
 ) -> Estimate:
     """Memory per rank and communication per step of FSDP over `shard_size` ranks (x replicas).
 
@@ -202,11 +231,13 @@ def estimate(
     - all-gather: 2 per group (forward, and backward after resharding): 2 sum_g (W-1) S_g b_c;
     - reduce-scatter: sum_g (W-1) S_g b_g;
     - all-reduce over the replicas (HSDP, R > 1): sum_g S_g b_g.
-    Predicted time: each collective costs latency + wire bytes / bandwidth, with wire bytes
-    (W-1) S_g b for an all-gather or reduce-scatter and 2 (R-1)/R S_g b_g for a ring all-reduce;
-    the bandwidth (per rank) is intra-node when the collective's ranks share a node (shard
-    groups are consecutive ranks, replica groups strided by W), else inter-node. No overlap with
-    compute is assumed, so it is an upper bound on exposed communication.
+    Predicted time: each collective is a ring: latency + steps x hop latency + wire bytes /
+    bandwidth, with W-1 steps and wire bytes (W-1) S_g b for an all-gather or reduce-scatter,
+    2 (R-1) steps and 2 (R-1)/R S_g b_g for the all-reduce; the bandwidth (per rank) is
+    intra-node only when every group of the collective lies within one node (shard groups are
+    consecutive ranks, replica groups strided by W; nodes hold `ranks_per_node` consecutive
+    ranks), else inter-node: a group that straddles two nodes runs at the slower link. No
+    overlap with compute is assumed, so it is an upper bound on exposed communication.
 
     Args:
         groups: The model's FSDP groups (e.g. `load_preset(name).groups`).
@@ -222,7 +253,10 @@ def estimate(
         ranks_per_node: Ranks sharing a node's fast links.
         intra_node_gbps: Per-rank bandwidth inside a node, GB/s.
         inter_node_gbps: Per-rank bandwidth between nodes, GB/s.
-        latency_us: Fixed cost of one collective, microseconds.
+        latency_us: Fixed cost of one collective (launch and synchronization), microseconds.
+        hop_latency_us: Cost of each of a ring's steps beyond its bytes, microseconds.
+        allow_idle_ranks: Accept a group with fewer blocks than W (some ranks then hold only
+            padding, as a DBuffer does for a small group); by default that is an error.
 
     Returns:
         The Estimate.
@@ -241,7 +275,12 @@ def estimate(
     block_rows = check_count("block_rows", block_rows, 1)
     ranks_per_node = check_count("ranks_per_node", ranks_per_node, 1)
     _check_optimizer(optimizer, block_rows)
-    _check_links(intra_node_gbps, inter_node_gbps, latency_us)
+    _check_links(
+        intra_node_gbps=intra_node_gbps,
+        inter_node_gbps=inter_node_gbps,
+        latency_us=latency_us,
+        hop_latency_us=hop_latency_us,
+    )
     if align_bytes % param_bytes:
         raise ValueError(f"align_bytes {align_bytes} is not a multiple of param_bytes")
     groups = _check_groups(groups)
@@ -249,11 +288,12 @@ def estimate(
     layouts: dict[tuple[object, ...], tuple[Layout, list[int]]] = {}
     shard_sizes, optimizer_by_rank = [], [0] * shard_size
     for group in groups:
-        specs = group.specs(block_rows)
         # Repeated layers differ only in their name prefix: plan each distinct group once.
-        prefix = len(group.name) + 1
-        key = tuple((s.numel, s.block, s.shape, s.name[prefix:]) for s in specs)
-        if key not in layouts:  # repeated layers plan once
+        key = group.layout_key
+        if key not in layouts:
+            specs = group.specs(block_rows)
+            if not allow_idle_ranks:
+                _check_blocks_fit(group, specs, shard_size)
             layout = plan_layout(specs, shard_size, align=align_bytes // param_bytes)
             layouts[key] = (layout, _optimizer_per_rank(layout, optimizer, param_bytes))
         layout, per_rank = layouts[key]
@@ -264,17 +304,18 @@ def estimate(
     total = sum(shard_sizes)
     numel = sum(g.numel for g in groups)
     pairs = [a + b for a, b in itertools.pairwise(shard_sizes)] or shard_sizes
-    shard_gbps = _link_gbps(w, ranks_per_node, intra_node_gbps, inter_node_gbps)
-    replica_span = w * (r - 1) + 1  # from the first to the last rank of a replica group
-    replica_gbps = _link_gbps(replica_span, ranks_per_node, intra_node_gbps, inter_node_gbps)
-    latency_s = latency_us * 1e-6
+    links = (intra_node_gbps, inter_node_gbps)
+    shard_gbps = links[_crosses_nodes(w, 1, w * r, ranks_per_node)] * 1e9
+    replica_gbps = links[_crosses_nodes(r, w, w * r, ranks_per_node)] * 1e9
+    shard_latency = (latency_us + (w - 1) * hop_latency_us) * 1e-6
+    replica_latency = (latency_us + 2 * (r - 1) * hop_latency_us) * 1e-6
     time = 0.0
     for s in shard_sizes:
         if w > 1:
-            time += 2 * (latency_s + (w - 1) * s * compute / (shard_gbps * 1e9))
-            time += latency_s + (w - 1) * s * grad_bytes / (shard_gbps * 1e9)
+            time += 2 * (shard_latency + (w - 1) * s * compute / shard_gbps)
+            time += shard_latency + (w - 1) * s * grad_bytes / shard_gbps
         if r > 1:
-            time += latency_s + 2 * (r - 1) / r * s * grad_bytes / (replica_gbps * 1e9)
+            time += replica_latency + 2 * (r - 1) / r * s * grad_bytes / replica_gbps
     return Estimate(
         shard_size=w,
         replicate_size=r,

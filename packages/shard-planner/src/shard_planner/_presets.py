@@ -16,10 +16,11 @@ errors, never ignored.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, NamedTuple
@@ -48,6 +49,46 @@ class GroupSpec:
     name: str
     entries: tuple[_Entry, ...]
 
+    @classmethod
+    def from_shapes(
+        cls,
+        name: str,
+        shapes: Mapping[str, Sequence[int]],
+        *,
+        num_shard_dims: Mapping[str, int] | None = None,
+    ) -> GroupSpec:
+        """A group from tensor names and shapes (what `fully_shard` of one module would hold).
+
+        Args:
+            name: The group's name (e.g. "model.layers.0").
+            shapes: Tensor name (e.g. the parameter's FQN) to shape, in the group's order.
+            num_shard_dims: Per tensor, how many leading dims a shard may cut (default 1:
+                whole rows of `shape[1:]`), as `TensorSpec.from_shape`.
+
+        Returns:
+            The group; its blocks follow `block_rows` (`specs(block_rows)`).
+
+        Raises:
+            ValueError: No tensors, a tensor without elements, or `num_shard_dims` naming a
+                tensor that is not in `shapes`.
+
+        Example:
+            >>> group = GroupSpec.from_shapes("layer", {"wq": (4096, 4096), "norm": (4096,)})
+            >>> group.numel, group.specs(block_rows=32)[0].block
+            (16781312, 131072)
+        """
+        dims = dict(num_shard_dims or {})
+        unknown = sorted(set(dims) - set(shapes))
+        if unknown:
+            raise ValueError(f"num_shard_dims names {unknown}, which are not in shapes")
+        raw = [
+            {"name": t, "shape": list(shape), **({"num_shard_dims": dims[t]} if t in dims else {})}
+            for t, shape in shapes.items()
+        ]
+        if not raw:
+            raise ValueError(f"group {name!r} has no tensors")
+        return cls(str(name), tuple(_parse_entry(r, f"group {name!r}") for r in raw))
+
     def specs(self, block_rows: int = 1) -> tuple[TensorSpec, ...]:
         """TensorSpecs with blocks of `block_rows` rows (fixed-block entries keep theirs)."""
         return tuple(
@@ -61,6 +102,20 @@ class GroupSpec:
     def numel(self) -> int:
         """Elements in the group."""
         return sum(e.numel for e in self.entries)
+
+    @functools.cached_property
+    def layout_key(self) -> tuple[object, ...]:
+        """What the group's layout depends on: its entries, names without the group's prefix.
+
+        Repeated layers (same tensors, another prefix) share it, so a model's distinct
+        layouts are planned once. Computed once per group.
+        """
+        prefix = len(self.name) + 1
+        return tuple(
+            (e.name[prefix:] if e.name.startswith(self.name) else e.name, e.shape, e.numel, e.block)
+            + ((e.num_shard_dims,) if e.num_shard_dims != 1 else ())
+            for e in self.entries
+        )
 
 
 @dataclass(frozen=True)
@@ -145,8 +200,21 @@ def load_group_file(path: str | os.PathLike[str]) -> ModelPreset:
 def parse_model(text: str, *, origin: str = "group file") -> ModelPreset:
     """Parses a model document or a single-group document (see the module docstring).
 
+    Args:
+        text: The JSON text.
+        origin: Where it came from, for error messages.
+
+    Returns:
+        The model, one GroupSpec per group.
+
     Raises:
         ValueError: the text is not valid JSON or does not describe tensors correctly.
+
+    Example:
+        >>> doc = '{"groups": [{"name": "l.{i}", "indices": [0, 2], "tensors": '
+        >>> doc += '[{"name": "w", "shape": [8, 4]}]}]}'
+        >>> [g.name for g in parse_model(doc).groups]
+        ['l.0', 'l.1']
     """
     try:
         doc = json.loads(text)
@@ -184,7 +252,10 @@ def _parse_group(raw: Any, origin: str) -> list[GroupSpec]:
     name = raw.get("name", "group")
     _check_keys(raw, _GROUP_KEYS, f"{origin}, group {name!r}")
     entries = tuple(_parse_entry(t, f"{origin}, group {name!r}") for t in raw["tensors"])
+    empty = f"{origin}, group {name!r}: 'tensors' is empty; a group has tensors"
     if "indices" not in raw:
+        if not entries:
+            raise ValueError(empty)
         return [GroupSpec(str(name), entries)]
     indices = raw["indices"]
     if (
@@ -205,6 +276,8 @@ def _parse_group(raw: Any, origin: str) -> list[GroupSpec]:
         raise ValueError(
             f"{origin}, group {name!r}: a group with 'indices' needs '{{i}}' in its name"
         )
+    if not entries:
+        raise ValueError(empty)
     groups = []
     for i in range(*indices):
         prefix = str(name).replace("{i}", str(i))
@@ -231,6 +304,11 @@ def _parse_entry(raw: Any, where: str) -> _Entry:
                     "'block' is for a 'numel' tensor; a 'shape' tensor's block is block_rows "
                     "rows (use num_shard_dims to choose what a row is)"
                 )
+            if 0 in shape:
+                raise ValueError(
+                    f"shape {shape} has no elements: a model's tensor has at least one "
+                    f"(drop it, or fix the shape)"
+                )
             dims = raw.get("num_shard_dims", 1)
             spec = TensorSpec.from_shape(name, shape, num_shard_dims=dims)
             if "numel" in raw and raw["numel"] != spec.numel:
@@ -243,6 +321,8 @@ def _parse_entry(raw: Any, where: str) -> _Entry:
             raise ValueError("'num_shard_dims' needs a 'shape'")
         if "numel" in raw:
             spec = TensorSpec(name, raw["numel"], raw.get("block", 1))
+            if not spec.numel:
+                raise ValueError("numel is 0: a model's tensor has at least one element")
             return _Entry(name, None, spec.numel, spec.block, 1)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}, tensor {name!r}: {exc}") from None
