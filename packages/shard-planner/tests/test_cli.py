@@ -142,6 +142,25 @@ def test_plan_summary_from_a_group_file(tmp_path, capsys) -> None:
             ["estimate", "--preset", "llama3-8b", "--shard-size", "8", "--inter-node-gbps", "inf"],
             "must be a finite number >= 0, got 'inf'",
         ),
+        (
+            [
+                "advise",
+                "--preset",
+                "llama3-8b",
+                "--ranks",
+                "8",
+                "--memory-gb",
+                "80",
+                "--expert-groups",
+                "x",
+            ],
+            "expected a comma-separated list of integers >= 0, got 'x'",
+        ),
+        (
+            ["plan", "--preset", "llama3-8b", "--world-size", "8192", "--block-rows", "32"],
+            "group 'embed' has 4,008 blocks in all (largest: 'model.embed_tokens.weight', "
+            "131,072 elements), fewer than W=8192 ranks",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_nonzero(argv, message) -> None:
@@ -165,7 +184,8 @@ def test_plan_says_when_it_pads_more_than_fsdp2_and_why(tmp_path, capsys) -> Non
     path = tmp_path / "g.json"
     tensors = [{"name": "a", "shape": [1009, 777]}, {"name": "b", "shape": [513, 1009]}]
     path.write_text(json.dumps({"tensors": tensors}))
-    assert main(["plan", str(path), "--world-size", "8", "--block-rows", "1009"]) == 0
+    argv = ["plan", str(path), "--world-size", "8", "--block-rows", "1009"]
+    assert main([*argv, "--allow-idle-ranks"]) == 0  # 2 blocks for 8 ranks
     out = capsys.readouterr().out
     assert "more than FSDP2's 12,502" in out, out
     assert "the largest block (a, 783,993 elements) must sit on one rank" in out, out
@@ -225,16 +245,19 @@ def test_advise_ranks_the_splits_and_names_the_padding(tmp_path, capsys) -> None
     assert main([*argv, "--block-rows", "16", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     # 16 x 64 is 0.5% faster than 8 x 128 but leaves 21% free against 38%: a tie, on headroom.
-    assert "| 1 | 8 x 128 | 28.046 | 0.23% | 49.6 | 38% | yes |" in text
-    assert "| 2 | 16 x 64 | 27.908 | 0.05% | 63.1 | 21% | yes |" in text
+    assert "| 1 | 8 x 128 | blocks | 28.046 | 0.23% | 49.6 | 38% | yes |" in text
+    assert "| 2 | 16 x 64 | blocks | 27.908 | 0.05% | 63.1 | 21% | yes |" in text
+    # Fused experts wrapped apart: 16-row blocks of whole experts pad more, so they rank later.
+    assert "| 5 | 16 x 64 | experts apart | 29.345 | 5.14% | 54.5 | 32% | yes |" in text
     assert "padding under 3% at shard sizes [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]" in text
     rows = json.loads(out.read_text())
-    assert len(rows) == 11 and all(r["replicate_size"] * r["shard_size"] == 1024 for r in rows)
+    assert len(rows) == 2 * 11 and all(r["replicate_size"] * r["shard_size"] == 1024 for r in rows)
+    assert {r["expert_groups"] for r in rows} == {0, 1}
 
 
 def test_advise_says_when_nothing_fits(capsys) -> None:
     argv = ["advise", "--preset", "deepseek-v3-671b", "--ranks", "1024", "--memory-gb", "80"]
-    assert main(argv) == 0
+    assert main([*argv, "--expert-groups", "0"]) == 0  # blocks whole: nothing fits
     assert "no split fits in 80.0 GiB per rank" in capsys.readouterr().out
 
 

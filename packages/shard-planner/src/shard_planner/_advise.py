@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shard_planner._estimate import BlockTooLargeError, Estimate, estimate
+from shard_planner._granularity import has_experts, split_experts
 from shard_planner._presets import GroupSpec
 from shard_planner._spec import check_count
 
@@ -22,6 +23,8 @@ class Candidate:
         memory_bytes: Peak per rank, `estimate.memory_bytes` plus the activations given.
         fits: Whether `memory_bytes` is within the budget.
         headroom: The budget's fraction left free at the peak (negative: over budget).
+        expert_groups: Groups each block's experts form (0: the blocks as given;
+            `_granularity.split_experts`).
     """
 
     replicate_size: int
@@ -30,6 +33,7 @@ class Candidate:
     memory_bytes: int
     fits: bool = True
     headroom: float = 0.0
+    expert_groups: int = 0
 
     def __post_init__(self) -> None:
         if self.replicate_size * self.shard_size != self.estimate.num_ranks:
@@ -57,6 +61,7 @@ def advise(
     activation_bytes: int = 0,
     min_shard_size: int = 1,
     min_headroom: float = 0.1,
+    expert_groups: Sequence[int] | None = None,
     include_all: bool = False,
     **options: Any,
 ) -> list[Candidate]:
@@ -70,6 +75,10 @@ def advise(
     the least padding). Shard sizes with fewer blocks than ranks in some group (ranks that
     would hold only padding) are skipped.
 
+    Each split is tried with each group granularity of `expert_groups`: a block's experts
+    in k groups of their own (`split_experts`), which shrinks the gathered transients of
+    MoE blocks for k + 1 collectives per block instead of one.
+
     Args:
         groups: The model's FSDP groups.
         num_ranks: Ranks in all (R x W).
@@ -79,6 +88,8 @@ def advise(
         min_shard_size: Skip splits with W below this (e.g. to keep some sharding).
         min_headroom: The fraction of `memory_bytes` a split should leave free to rank
             first (activations not counted, fragmentation), in [0, 1).
+        expert_groups: The k to try (0: blocks whole). None: 0, 1, 2, 4 and 8 where the
+            model's blocks have that many experts (fused experts: 0 and 1).
         include_all: Also return the splits that do not fit (`fits=False`), after the
             fitting ones, by memory.
         **options: Passed to `estimate` (param_bytes, grad_bytes, compute_bytes, optimizer,
@@ -109,24 +120,25 @@ def advise(
     if not isinstance(given, int | float) or isinstance(given, bool) or not 0 <= given < 1:
         raise ValueError(f"min_headroom must be a fraction in [0, 1), got {min_headroom!r}")
     out, refused = [], []
-    for replicate, shard in factorisations(num_ranks):
-        if shard < min_shard_size:
-            continue
-        try:
-            est = estimate(
-                groups,
-                shard_size=shard,
-                replicate_size=replicate,
-                ranks_per_node=ranks_per_node,
-                **options,
-            )
-        except BlockTooLargeError as err:
-            refused.append(err)
-            continue
-        peak = est.memory_bytes + activation_bytes
-        headroom = 1 - peak / memory_bytes
-        if peak <= memory_bytes or include_all:
-            out.append(Candidate(replicate, shard, est, peak, peak <= memory_bytes, headroom))
+    for k, grouped in _granularities(groups, expert_groups):
+        for replicate, shard in factorisations(num_ranks):
+            if shard < min_shard_size:
+                continue
+            try:
+                est = estimate(
+                    grouped,
+                    shard_size=shard,
+                    replicate_size=replicate,
+                    ranks_per_node=ranks_per_node,
+                    **options,
+                )
+            except BlockTooLargeError as err:
+                refused.append(err)
+                continue
+            peak = est.memory_bytes + activation_bytes
+            fits, headroom = peak <= memory_bytes, 1 - peak / memory_bytes
+            if fits or include_all:
+                out.append(Candidate(replicate, shard, est, peak, fits, headroom, k))
     if refused and not out:
         raise refused[0]
     fitting = [c for c in out if c.fits]
@@ -134,6 +146,26 @@ def advise(
     tight = _rank([c for c in fitting if c.headroom < min_headroom])
     rest = sorted((c for c in out if not c.fits), key=lambda c: c.memory_bytes)
     return roomy + tight + rest
+
+
+def _granularities(
+    groups: Sequence[GroupSpec], expert_groups: Sequence[int] | None
+) -> list[tuple[int, tuple[GroupSpec, ...]]]:
+    """(k, the groups with each block's experts in k groups) for each k that applies."""
+    if expert_groups is None:
+        most = has_experts(groups)
+        expert_groups = [k for k in (0, 1, 2, 4, 8) if k <= most]
+    out = []
+    for k in expert_groups:
+        check_count("expert_groups entry", k, 0)
+        grouped = split_experts(groups, k)
+        if grouped is None:
+            raise ValueError(
+                f"the model's experts cannot form {k} groups per block (fused experts form "
+                f"one; per-expert modules at most as many as a block has: {has_experts(groups)})"
+            )
+        out.append((k, grouped))
+    return out
 
 
 TIE = 0.01  # predicted times this close (relative) are a tie: the model is not that precise

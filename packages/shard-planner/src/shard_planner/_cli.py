@@ -21,7 +21,8 @@ from shard_planner._cost_report import (
     plot_candidates,
     to_json,
 )
-from shard_planner._estimate import OPTIMIZERS, estimate
+from shard_planner._estimate import OPTIMIZERS, check_blocks_fit, estimate
+from shard_planner._granularity import fully_shard_calls, split_experts
 from shard_planner._layout import Layout, dump_plan, load_plan
 from shard_planner._plan import ORDERS, plan_layout
 from shard_planner._presets import (
@@ -69,6 +70,16 @@ def _positive_float(text: str) -> float:
     if not (math.isfinite(value) and value >= 0):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
     return value
+
+
+def _count_list(text: str) -> list[int]:
+    """A comma-separated list of integers >= 0."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items or not all(item.isdigit() for item in items):
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of integers >= 0, got {text!r}"
+        )
+    return [int(item) for item in items]
 
 
 def _positive_list(text: str) -> list[int]:
@@ -120,12 +131,14 @@ def _some(names: Iterable[str]) -> str:
 def _cmd_plan(args: argparse.Namespace) -> None:
     model = _load_model(args)
     groups = [_select_group(model, args.group)] if args.group else list(model.groups)
-    layouts = {
-        g.name: plan_layout(
-            g.specs(args.block_rows), args.world_size, align=args.align, order=args.order
+    layouts = {}
+    for group in groups:
+        specs = group.specs(args.block_rows)
+        if not args.allow_idle_ranks:
+            check_blocks_fit(group, specs, args.world_size)
+        layouts[group.name] = plan_layout(
+            specs, args.world_size, align=args.align, order=args.order
         )
-        for g in groups
-    }
     if args.out:
         text = dump_plan(layouts) + "\n"
         _write(args.out, lambda path: pathlib.Path(path).write_text(text))
@@ -225,6 +238,7 @@ def _cmd_advise(args: argparse.Namespace) -> None:
         memory_bytes=memory,
         activation_bytes=int(args.activation_gb * 2**30),
         min_headroom=args.min_headroom,
+        expert_groups=args.expert_groups,
         include_all=True,
         **_cost_options(args),
     )
@@ -235,6 +249,20 @@ def _cmd_advise(args: argparse.Namespace) -> None:
     )
     print(format_candidates(candidates, memory))
     print(padding_note(candidates))
+    best = next((c for c in candidates if c.fits), None)
+    if best is not None:
+        grouped = split_experts(model.groups, best.expert_groups)
+        assert grouped is not None  # advise made it
+        print(
+            f"layout of the first: mesh ({best.replicate_size}, {best.shard_size}) "
+            f"(replicate, shard), block_rows={args.block_rows}, then bottom-up:"
+        )
+        print("\n".join(f"    {line}" for line in fully_shard_calls(grouped)))
+        if best.expert_groups:
+            print(
+                "    (an expert group gathers when one of its experts runs: every rank must "
+                "run each group, e.g. call every expert, with no tokens if none are routed)"
+            )
     if args.json:
         text = to_json(candidates)
         _write(args.json, lambda path: pathlib.Path(path).write_text(text))
@@ -261,6 +289,11 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--preset", help=f"a shipped preset: {', '.join(preset_names())}")
     plan.add_argument("--world-size", type=_positive, required=True)
     plan.add_argument("--group", help="plan only this group")
+    plan.add_argument(
+        "--allow-idle-ranks",
+        action="store_true",
+        help="plan a group with fewer blocks than ranks (some then hold only padding)",
+    )
     plan.add_argument("--order", choices=ORDERS, default="auto")
     plan.add_argument(
         "--out", help="write the plan (each group's layout, JSON) here instead of a summary"
@@ -314,6 +347,12 @@ def _parser() -> argparse.ArgumentParser:
     adv.add_argument("--ranks", type=_positive, required=True)
     adv.add_argument("--memory-gb", type=_positive_float, required=True, help="GiB per rank")
     adv.add_argument("--activation-gb", type=_positive_float, default=0.0)
+    adv.add_argument(
+        "--expert-groups",
+        type=_count_list,
+        help="groups per block's experts to try, e.g. 0 (blocks whole) or 0,2,8 "
+        "(default: 0,1,2,4,8 where the model has experts)",
+    )
     adv.add_argument(
         "--min-headroom",
         type=_positive_float,

@@ -37,12 +37,14 @@ def format_estimate(est: Estimate) -> str:
 def format_candidates(candidates: Sequence[Candidate], memory_bytes: int) -> str:
     """The ranking as a markdown table; splits that do not fit are marked."""
     lines = [
-        "| rank | replicate x shard | comm s/step | padding | memory GiB/rank | headroom | fits |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| rank | replicate x shard | groups | comm s/step | padding | memory GiB/rank "
+        "| headroom | fits |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for i, c in enumerate(candidates, 1):
         lines.append(
             f"| {i if c.fits else '-'} | {c.replicate_size} x {c.shard_size} | "
+            f"{granularity_name(c.expert_groups)} | "
             f"{c.estimate.comm_time_s:.3f} | {100 * c.estimate.padding_ratio:.2f}% | "
             f"{c.memory_bytes / _GIB:.1f} | {100 * c.headroom:.0f}% | "
             f"{'yes' if c.fits else 'no'} |"
@@ -57,6 +59,13 @@ def format_candidates(candidates: Sequence[Candidate], memory_bytes: int) -> str
             f"{least.estimate.unsharded_bytes / _GIB:.1f} GiB unsharded"
         )
     return "\n".join(lines)
+
+
+def granularity_name(expert_groups: int) -> str:
+    """How blocks are grouped: "blocks" whole, "experts apart", "experts in k"."""
+    if expert_groups == 0:
+        return "blocks"
+    return "experts apart" if expert_groups == 1 else f"experts in {expert_groups}"
 
 
 def padding_note(candidates: Sequence[Candidate], threshold: float = 0.03) -> str:

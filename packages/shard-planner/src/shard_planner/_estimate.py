@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -160,18 +161,56 @@ class BlockTooLargeError(ValueError):
     """A group has fewer unsplittable blocks than ranks: some would hold only padding."""
 
 
-def _check_blocks_fit(group: GroupSpec, specs: Sequence[TensorSpec], shard_size: int) -> None:
+def check_blocks_fit(group: GroupSpec, specs: Sequence[TensorSpec], shard_size: int) -> None:
     """At least one block per rank: with fewer, a rank's shard is all padding."""
     num_blocks = sum(-(-s.numel // s.atom) for s in specs if s.numel)
     if num_blocks < shard_size:
-        largest = max(specs, key=lambda s: s.atom)
+        index = max(range(len(specs)), key=lambda i: specs[i].atom)
+        name, atom = group.entries[index].name, specs[index].atom  # specs may be a twin's
         raise BlockTooLargeError(
             f"group {group.name!r} has {num_blocks:,} blocks in all (largest: "
-            f"{largest.name!r}, {largest.atom:,} elements), fewer than W={shard_size} ranks: "
+            f"{name!r}, {atom:,} elements), fewer than W={shard_size} ranks: "
             f"no shard boundary may cut a block, so {shard_size - num_blocks:,} ranks would "
             f"hold only padding; use smaller block_rows or W <= {num_blocks} (or "
             f"allow_idle_ranks=True)"
         )
+
+
+_PLANS: OrderedDict[tuple[int, int, int, int], Layout] = OrderedDict()
+_MAX_PLANS = 256
+
+
+_SPECS: OrderedDict[tuple[int, int], tuple[TensorSpec, ...]] = OrderedDict()
+
+
+def _specs(group: GroupSpec, block_rows: int) -> tuple[TensorSpec, ...]:
+    """`group.specs(block_rows)`, shared by the groups with its layout (the latest kept)."""
+    key = (group.layout_id, block_rows)
+    specs = _SPECS.get(key)
+    if specs is None:
+        specs = _SPECS[key] = group.specs(block_rows)
+        if len(_SPECS) > _MAX_PLANS:
+            _SPECS.popitem(last=False)
+    return specs
+
+
+def _plan(group: GroupSpec, block_rows: int, shard_size: int, align: int) -> Layout:
+    """`plan_layout` of the group's specs, shared by every group with its layout.
+
+    The most recent plans are kept: `advise` estimates the same layouts (embedding, dense
+    blocks, head) at every granularity it tries. A layout's tensor names may be another
+    group's with other indices, which nothing here reads.
+    """
+    key = (group.layout_id, block_rows, shard_size, align)
+    layout = _PLANS.get(key)
+    if layout is None:
+        layout = plan_layout(_specs(group, block_rows), shard_size, align=align)
+        _PLANS[key] = layout
+        if len(_PLANS) > _MAX_PLANS:
+            _PLANS.popitem(last=False)
+    else:
+        _PLANS.move_to_end(key)
+    return layout
 
 
 def _check_groups(groups: Sequence[GroupSpec]) -> tuple[GroupSpec, ...]:
@@ -285,20 +324,26 @@ def estimate(
         raise ValueError(f"align_bytes {align_bytes} is not a multiple of param_bytes")
     groups = _check_groups(groups)
 
-    layouts: dict[tuple[object, ...], tuple[Layout, list[int]]] = {}
-    shard_sizes, optimizer_by_rank = [], [0] * shard_size
+    # Repeated layers (equal up to their indices) are planned once: count them.
+    uses: dict[int, int] = {}
     for group in groups:
-        # Repeated layers differ only in their name prefix: plan each distinct group once.
-        key = group.layout_key
-        if key not in layouts:
-            specs = group.specs(block_rows)
-            if not allow_idle_ranks:
-                _check_blocks_fit(group, specs, shard_size)
-            layout = plan_layout(specs, shard_size, align=align_bytes // param_bytes)
-            layouts[key] = (layout, _optimizer_per_rank(layout, optimizer, param_bytes))
-        layout, per_rank = layouts[key]
-        shard_sizes.append(layout.shard_size)
-        optimizer_by_rank = [a + b for a, b in zip(optimizer_by_rank, per_rank, strict=True)]
+        uses[group.layout_id] = uses.get(group.layout_id, 0) + 1
+    align = align_bytes // param_bytes
+    planned: dict[int, Layout] = {}
+    optimizer_by_rank = [0] * shard_size
+    for group in groups:
+        key = group.layout_id
+        if key in planned:
+            continue
+        layout = planned[key] = _plan(group, block_rows, shard_size, align)
+        if not allow_idle_ranks:
+            check_blocks_fit(group, layout.tensors, shard_size)
+        per_rank = _optimizer_per_rank(layout, optimizer, param_bytes)
+        count = uses[key]
+        optimizer_by_rank = [
+            a + count * b for a, b in zip(optimizer_by_rank, per_rank, strict=True)
+        ]
+    shard_sizes = [planned[g.layout_id].shard_size for g in groups]
 
     w, r = shard_size, replicate_size
     total = sum(shard_sizes)

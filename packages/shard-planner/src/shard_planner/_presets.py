@@ -20,6 +20,7 @@ import functools
 import json
 import os
 import pathlib
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -34,6 +35,11 @@ class _Entry(NamedTuple):
     numel: int
     block: int
     num_shard_dims: int
+    pattern: str = ""  # the name with its digits out (what layout keys compare); "" = not yet
+
+    def key(self) -> tuple[object, ...]:
+        pattern = self.pattern or _DIGITS.sub("#", self.name)
+        return (pattern, self.shape, self.numel, self.block, self.num_shard_dims)
 
 
 @dataclass(frozen=True)
@@ -98,24 +104,32 @@ class GroupSpec:
             for e in self.entries
         )
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         """Elements in the group."""
         return sum(e.numel for e in self.entries)
 
     @functools.cached_property
     def layout_key(self) -> tuple[object, ...]:
-        """What the group's layout depends on: its entries, names without the group's prefix.
+        """What the group's layout depends on: its entries, with digits out of their names.
 
-        Repeated layers (same tensors, another prefix) share it, so a model's distinct
-        layouts are planned once. Computed once per group.
+        Repeated layers (same tensors, other indices) and a layer's expert groups of equal
+        size share it, so a model's distinct layouts are planned once. The names stay (an
+        optimizer may treat an embedding apart), their indices do not. Computed once.
         """
-        prefix = len(self.name) + 1
-        return tuple(
-            (e.name[prefix:] if e.name.startswith(self.name) else e.name, e.shape, e.numel, e.block)
-            + ((e.num_shard_dims,) if e.num_shard_dims != 1 else ())
-            for e in self.entries
-        )
+        key = tuple(e.key() for e in self.entries)
+        return _LAYOUT_KEYS.setdefault(key, key)
+
+    @functools.cached_property
+    def layout_id(self) -> int:
+        """A number for `layout_key`, equal for groups with equal keys (cheap to look up)."""
+        return id(self.layout_key)
+
+
+_DIGITS = re.compile(r"\d+")
+# One object per distinct layout key (what `layout_id` numbers): a planner run compares
+# thousands of groups' keys per estimate, and comparing numbers is what makes that cheap.
+_LAYOUT_KEYS: dict[tuple[object, ...], tuple[object, ...]] = {}
 
 
 @dataclass(frozen=True)
@@ -279,10 +293,17 @@ def _parse_group(raw: Any, origin: str) -> list[GroupSpec]:
     if not entries:
         raise ValueError(empty)
     groups = []
+    pattern = _DIGITS.sub("#", str(name).replace("{i}", "0"))  # each repeat's, computed once
     for i in range(*indices):
         prefix = str(name).replace("{i}", str(i))
         groups.append(
-            GroupSpec(prefix, tuple(e._replace(name=f"{prefix}.{e.name}") for e in entries))
+            GroupSpec(
+                prefix,
+                tuple(
+                    e._replace(name=f"{prefix}.{e.name}", pattern=f"{pattern}.{e.key()[0]}")
+                    for e in entries
+                ),
+            )
         )
     return groups
 

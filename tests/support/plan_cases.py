@@ -1,0 +1,107 @@
+"""The engine follows a plan from shard_planner.advise: the layout it prints, applied as is.
+
+A small MoE decoder's groups are described from its shapes (as a preset describes a real
+model), `advise` ranks the mesh splits at each group granularity, and the `fully_shard` calls
+it prints for a plan are run on the model. What each rank then holds must equal the plan's
+estimate byte for byte: parameters, gradients, AdamW state, the largest gathered group.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from model import Config, Decoder, loss_fn
+from torch.distributed.device_mesh import init_device_mesh
+
+from fsdp_engine import FSDPModule, fully_shard
+from shard_planner import Candidate, GroupSpec, advise
+from shard_planner._granularity import fully_shard_calls, split_experts
+
+NUM_EXPERTS = 8
+
+
+def _model() -> Decoder:
+    torch.manual_seed(0)
+    return Decoder(Config(num_experts=NUM_EXPERTS, num_layers=2, dim=24, hidden=40))
+
+
+def model_groups(model: Decoder) -> list[GroupSpec]:
+    """The decoder's groups as FSDP wraps it: embedding, each block, norm with head."""
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    layers = [
+        GroupSpec.from_shapes(f"layers.{i}", {n: s for n, s in shapes.items()
+                                              if n.startswith(f"layers.{i}.")})
+        for i in range(len(model.layers))
+    ]  # fmt: skip
+    return [
+        GroupSpec.from_shapes("embed", {"embed.weight": shapes["embed.weight"]}),
+        *layers,
+        GroupSpec.from_shapes("final", {n: shapes[n] for n in ("norm.weight", "head.weight")}),
+    ]
+
+
+def _apply(candidate: Candidate, groups: list[GroupSpec]) -> tuple[Decoder, list[str]]:
+    model = _model()
+    replicas, shards = candidate.replicate_size, candidate.shard_size
+    mesh = init_device_mesh("cpu", (replicas, shards) if replicas > 1 else (shards,))
+    grouped = split_experts(groups, candidate.expert_groups)
+    assert grouped is not None
+    code = fully_shard_calls(grouped)
+    exec(
+        "\n".join(code), {"model": model, "fully_shard": functools.partial(fully_shard, mesh=mesh)}
+    )
+    return model, code
+
+
+def check_engine_follows_advised_plans() -> list[dict[str, Any]]:
+    world = dist.get_world_size()
+    groups = model_groups(_model())
+    results = []
+    for k in (0, 2):
+        candidates = advise(groups, num_ranks=world, ranks_per_node=world, memory_bytes=2**30,
+                            expert_groups=(k,), min_shard_size=2)  # fmt: skip
+        assert candidates and all(c.expert_groups == k for c in candidates)
+        for candidate in candidates:
+            results.append(_check(candidate, groups))
+    return results
+
+
+def _check(candidate: Candidate, groups: list[GroupSpec]) -> dict[str, Any]:
+    model, code = _apply(candidate, groups)
+    est = candidate.estimate
+    # A list group (`[model.norm, model.head]`) is one state on each of its modules.
+    states = {
+        id(m._fsdp_engine_state): m._fsdp_engine_state
+        for m in model.modules()
+        if isinstance(m, FSDPModule)
+    }.values()
+    buffers = [b for s in states if s.group is not None for b in s.group.buffers]
+    # One group per planned group, each one DBuffer (one dtype): as the plan counts them.
+    assert len(buffers) == len(split_experts(groups, candidate.expert_groups) or ()), code
+    assert sum(b.local.nbytes for b in buffers) == est.param_bytes, (code, est)
+    assert max(b.shard_size for b in buffers) * candidate.shard_size * 4 == est.unsharded_bytes
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, 37, (2, 9), generator=torch.Generator().manual_seed(dist.get_rank()))
+    # Every expert gets tokens on every rank: an expert group gathers (a collective) when one
+    # of its experts runs, so each rank must run each group, as with any FSDP group.
+    slots = torch.arange(tokens.numel() * 2) % NUM_EXPERTS
+    for layer in model.layers:
+        layer.mlp.forced_choice = slots.view(tokens.numel(), 2)
+    loss_fn(model(tokens), tokens).backward()
+    opt.step()
+    assert sum(b.local_grad.nbytes for b in buffers) == est.grad_bytes
+    state = sum(
+        v.to_local().nbytes if hasattr(v, "to_local") else v.nbytes
+        for s in opt.state.values() for key, v in s.items() if key != "step"
+    )  # fmt: skip
+    shard_rank = dist.get_rank() % candidate.shard_size
+    assert state == est.optimizer_bytes_by_rank[shard_rank], (state, est.optimizer_bytes_by_rank)
+    return {
+        "split": (candidate.replicate_size, candidate.shard_size),
+        "expert_groups": candidate.expert_groups,
+        "param_bytes": est.param_bytes,
+        "memory_bytes": est.memory_bytes,
+    }
