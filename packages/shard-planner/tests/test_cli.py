@@ -258,7 +258,12 @@ def test_advise_ranks_the_splits_and_names_the_padding(tmp_path, capsys) -> None
 def test_advise_says_when_nothing_fits(capsys) -> None:
     argv = ["advise", "--preset", "deepseek-v3-671b", "--ranks", "1024", "--memory-gb", "80"]
     assert main([*argv, "--expert-groups", "0"]) == 0  # blocks whole: nothing fits
-    assert "no split fits in 80.0 GiB per rank" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "no split fits in 80.0 GiB per rank" in out
+    # What each single change gives: bf16 gathers alone do not fit, expert groups do.
+    assert "next lever: bf16 gathers (--compute-bytes 2): smallest peak 95.7 GiB" in out
+    assert "next lever: every expert granularity (no --expert-groups): smallest peak" in out
+    assert out.rstrip().endswith("fits") and "does not fit" in out
 
 
 def test_advise_plot_needs_matplotlib_or_draws(tmp_path, capsys) -> None:

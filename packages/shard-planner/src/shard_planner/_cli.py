@@ -22,7 +22,7 @@ from shard_planner._cost_report import (
     to_json,
 )
 from shard_planner._estimate import OPTIMIZERS, check_blocks_fit, estimate
-from shard_planner._granularity import fully_shard_calls, split_experts
+from shard_planner._granularity import fully_shard_calls, has_experts, split_experts
 from shard_planner._layout import Layout, dump_plan, load_plan
 from shard_planner._plan import ORDERS, plan_layout
 from shard_planner._presets import (
@@ -250,6 +250,9 @@ def _cmd_advise(args: argparse.Namespace) -> None:
     print(format_candidates(candidates, memory))
     print(padding_note(candidates))
     best = next((c for c in candidates if c.fits), None)
+    if best is None:
+        for line in _levers(model, args, memory):
+            print(line)
     if best is not None:
         grouped = split_experts(model.groups, best.expert_groups)
         assert grouped is not None  # advise made it
@@ -271,6 +274,44 @@ def _cmd_advise(args: argparse.Namespace) -> None:
         title = f"{model.name}, {args.ranks} ranks, {args.block_rows} rows per block"
         _write(args.plot, lambda path: plot_candidates(candidates, path, title, memory))
         print(f"wrote {args.plot}")
+
+
+def _levers(model: ModelPreset, args: argparse.Namespace, memory: int) -> list[str]:
+    """When nothing fits: what each single change of the options would give (its best peak)."""
+    options = _cost_options(args)
+    levers: list[tuple[str, dict[str, Any]]] = []
+    if (args.compute_bytes or args.param_bytes) > 2:
+        levers.append(("bf16 gathers (--compute-bytes 2)", {"compute_bytes": 2}))
+    if args.grad_bytes > 2:
+        levers.append(("bf16 gradient reduction (--grad-bytes 2)", {"grad_bytes": 2}))
+    if args.optimizer == "adamw":
+        rows = args.block_rows if args.block_rows % 32 == 0 else 32
+        levers.append(
+            (f"AdamW8bit (--optimizer adamw8bit --block-rows {rows})",
+             {"optimizer": "adamw8bit", "block_rows": rows})
+        )  # fmt: skip
+    if args.expert_groups is not None and has_experts(model.groups):
+        levers.append(("every expert granularity (no --expert-groups)", {}))
+    lines = []
+    for what, change in levers:
+        expert_groups = None if not change else args.expert_groups
+        tried = advise(
+            model.groups,
+            num_ranks=args.ranks,
+            ranks_per_node=args.ranks_per_node,
+            memory_bytes=memory,
+            activation_bytes=int(args.activation_gb * 2**30),
+            expert_groups=expert_groups,
+            include_all=True,
+            **{**options, **change},
+        )
+        least = min(tried, key=lambda c: c.memory_bytes)
+        verdict = "fits" if least.fits else "does not fit"
+        lines.append(
+            f"next lever: {what}: smallest peak {least.memory_bytes / 2**30:.1f} GiB "
+            f"({least.replicate_size} x {least.shard_size}), {verdict}"
+        )
+    return lines
 
 
 def _parser() -> argparse.ArgumentParser:
