@@ -459,11 +459,7 @@ def _assigned_values(param: ManagedParam, new: object) -> torch.Tensor:
             f"load with assign=False"
         )
     if isinstance(new, DTensor):
-        if (
-            new.device_mesh != sharded.device_mesh
-            or tuple(new.placements) != tuple(sharded.placements)
-            or new.shape != sharded.shape
-        ):
+        if not same_layout(new, sharded):
             raise ValueError(
                 f"load_state_dict(assign=True) gives {param.name!r} as a DTensor of shape "
                 f"{tuple(new.shape)} with placements {tuple(new.placements)}; the sharded "
@@ -480,6 +476,15 @@ def _assigned_values(param: ManagedParam, new: object) -> torch.Tensor:
         )
     lo, hi = flat_range(sharded)
     return new.detach().reshape(-1)[lo:hi]
+
+
+def same_layout(a: DTensor, b: DTensor) -> bool:
+    """Whether two DTensors have one mesh, placements and global shape."""
+    return (
+        a.device_mesh == b.device_mesh
+        and tuple(a.placements) == tuple(b.placements)
+        and a.shape == b.shape
+    )
 
 
 _PROCESS_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}

@@ -35,7 +35,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from dbuffer import Handle
 from fsdp_engine._compat import all_gather_single
-from fsdp_engine._group import Location
+from fsdp_engine._group import Location, same_layout
 
 
 def gathers_itself(data: torch.Tensor) -> bool:
@@ -192,8 +192,7 @@ class SubclassParam:
         if (
             not isinstance(new, DTensor)
             or type(new.to_local()) is not kind
-            or tuple(new.placements) != tuple(old.placements)
-            or new.shape != old.shape
+            or not same_layout(new, old)
         ):
             raise ValueError(
                 f"load_state_dict(assign=True) gives {self.name!r} a {type(new).__name__}; "

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NoReturn
 
-from shard_planner._advise import advise
+from shard_planner._advise import Candidate, advise
 from shard_planner._cost_report import (
     format_candidates,
     format_estimate,
@@ -231,17 +231,7 @@ def _cmd_estimate(args: argparse.Namespace) -> None:
 def _cmd_advise(args: argparse.Namespace) -> None:
     model = _load_model(args)
     memory = int(args.memory_gb * 2**30)
-    candidates = advise(
-        model.groups,
-        num_ranks=args.ranks,
-        ranks_per_node=args.ranks_per_node,
-        memory_bytes=memory,
-        activation_bytes=int(args.activation_gb * 2**30),
-        min_headroom=args.min_headroom,
-        expert_groups=args.expert_groups,
-        include_all=True,
-        **_cost_options(args),
-    )
+    candidates = _advise(model, args, memory, expert_groups=args.expert_groups)
     print(
         f"{model.name}: {model.numel:,} parameters on {args.ranks} ranks ({args.ranks_per_node} "
         f"per node), {args.memory_gb:g} GiB per rank, {args.block_rows} rows per block, "
@@ -276,9 +266,24 @@ def _cmd_advise(args: argparse.Namespace) -> None:
         print(f"wrote {args.plot}")
 
 
+def _advise(
+    model: ModelPreset, args: argparse.Namespace, memory: int, **overrides: Any
+) -> list[Candidate]:
+    """`advise` with the command line's options, some replaced, every split included."""
+    options: dict[str, Any] = {"min_headroom": args.min_headroom, **_cost_options(args)}
+    return advise(
+        model.groups,
+        num_ranks=args.ranks,
+        ranks_per_node=args.ranks_per_node,
+        memory_bytes=memory,
+        activation_bytes=int(args.activation_gb * 2**30),
+        include_all=True,
+        **{**options, **overrides},
+    )
+
+
 def _levers(model: ModelPreset, args: argparse.Namespace, memory: int) -> list[str]:
     """When nothing fits: what each single change of the options would give (its best peak)."""
-    options = _cost_options(args)
     levers: list[tuple[str, dict[str, Any]]] = []
     if (args.compute_bytes or args.param_bytes) > 2:
         levers.append(("bf16 gathers (--compute-bytes 2)", {"compute_bytes": 2}))
@@ -295,16 +300,7 @@ def _levers(model: ModelPreset, args: argparse.Namespace, memory: int) -> list[s
     lines = []
     for what, change in levers:
         expert_groups = None if not change else args.expert_groups
-        tried = advise(
-            model.groups,
-            num_ranks=args.ranks,
-            ranks_per_node=args.ranks_per_node,
-            memory_bytes=memory,
-            activation_bytes=int(args.activation_gb * 2**30),
-            expert_groups=expert_groups,
-            include_all=True,
-            **{**options, **change},
-        )
+        tried = _advise(model, args, memory, expert_groups=expert_groups, **change)
         least = min(tried, key=lambda c: c.memory_bytes)
         verdict = "fits" if least.fits else "does not fit"
         lines.append(
