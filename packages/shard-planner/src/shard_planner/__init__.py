@@ -18,6 +18,7 @@ from shard_planner._baselines import flat_padding, fsdp2_padding
 from shard_planner._bounds import lower_bound
 from shard_planner._estimate import OPTIMIZERS, Estimate, estimate
 from shard_planner._layout import Layout, LayoutError, dump_plan, load_plan
+from shard_planner._links import Links, fit_links, load_links
 from shard_planner._plan import ORDERS, plan_layout
 from shard_planner._presets import (
     GroupSpec,
@@ -40,6 +41,7 @@ __all__ = [
     "GroupSpec",
     "Layout",
     "LayoutError",
+    "Links",
     "ModelPreset",
     "TensorSpec",
     "__version__",
@@ -48,9 +50,11 @@ __all__ = [
     "estimate",
     "explain_padding",
     "factorisations",
+    "fit_links",
     "flat_padding",
     "fsdp2_padding",
     "load_group_file",
+    "load_links",
     "load_plan",
     "load_preset",
     "lower_bound",

@@ -24,6 +24,7 @@ from shard_planner._cost_report import (
 from shard_planner._estimate import OPTIMIZERS, check_blocks_fit, estimate
 from shard_planner._granularity import fully_shard_calls, has_experts, split_experts
 from shard_planner._layout import Layout, dump_plan, load_plan
+from shard_planner._links import load_links
 from shard_planner._plan import ORDERS, plan_layout
 from shard_planner._presets import (
     GroupSpec,
@@ -195,6 +196,7 @@ def _cmd_show(args: argparse.Namespace) -> None:
 
 
 def _cost_options(args: argparse.Namespace) -> dict[str, Any]:
+    links = load_links(args.links).options() if args.links else {}
     return {
         "param_bytes": args.param_bytes,
         "grad_bytes": args.grad_bytes,
@@ -205,6 +207,7 @@ def _cost_options(args: argparse.Namespace) -> dict[str, Any]:
         "inter_node_gbps": args.inter_node_gbps,
         "latency_us": args.latency_us,
         "hop_latency_us": args.hop_latency_us,
+        **links,
     }
 
 
@@ -371,6 +374,11 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--inter-node-gbps", type=_positive_float, default=50.0)
         p.add_argument("--latency-us", type=_positive_float, default=20.0, help="per collective")
         p.add_argument("--hop-latency-us", type=_positive_float, default=2.0, help="per ring step")
+        p.add_argument(
+            "--links",
+            help="a calibration file (tools/calibrate_links.py): its fitted link figures "
+            "replace the four above",
+        )
         p.add_argument("--json", help="also write the result as JSON here")
 
     est = sub.add_parser("estimate", help="memory per rank and communication per step")

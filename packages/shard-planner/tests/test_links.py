@@ -1,0 +1,88 @@
+"""Link calibration: the fit recovers the figures that made the times; bad files are refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shard_planner import Links, estimate, fit_links, load_links, load_preset
+from shard_planner._cli import main
+
+DEFAULT = Links(400.0, 50.0, 20.0, 2.0, 8)
+
+
+def _rows(gbps, latency_us, hop_us, inter, worlds=(2, 4, 8), sizes=(2**16, 2**20, 2**24)):
+    return [
+        {
+            "collective": "all_gather",
+            "world": w,
+            "bytes": b,
+            "inter_node": inter,
+            "seconds": latency_us * 1e-6 + (w - 1) * (hop_us * 1e-6 + b / (gbps * 1e9)),
+        }
+        for w in worlds
+        for b in sizes
+    ]
+
+
+def test_fit_recovers_the_figures_of_each_link_kind() -> None:
+    rows = _rows(150.0, 12.0, 3.0, False) + _rows(20.0, 12.0, 3.0, True, worlds=(16, 32))
+    links = fit_links(rows, ranks_per_node=8, default=DEFAULT)
+    assert links.intra_node_gbps == pytest.approx(150.0)
+    assert links.inter_node_gbps == pytest.approx(20.0)
+    assert (links.latency_us, links.hop_latency_us) == (pytest.approx(12.0), pytest.approx(3.0))
+    only_intra = fit_links(_rows(150.0, 12.0, 3.0, False), ranks_per_node=4, default=DEFAULT)
+    assert only_intra.inter_node_gbps == 50.0 and only_intra.ranks_per_node == 4
+    # Times that a negative fixed latency would fit best: clamped to zero, the rest refitted.
+    noisy = _rows(100.0, 0.0, 5.0, False)
+    for row in noisy:
+        row["seconds"] -= 1e-6 if row["bytes"] == 2**16 else 0
+    clamped = fit_links(noisy, ranks_per_node=8, default=DEFAULT)
+    assert clamped.latency_us == 0.0 and clamped.hop_latency_us > 0
+
+
+def test_fitted_links_price_the_estimate(tmp_path, capsys) -> None:
+    path = tmp_path / "links.json"
+    path.write_text(json.dumps({"ranks_per_node": 8, "measurements": _rows(5.0, 100, 50, False)}))
+    links = load_links(path)
+    groups = load_preset("llama3-8b").groups
+    slow = estimate(groups, shard_size=8, **links.options())
+    fast = estimate(groups, shard_size=8)
+    assert slow.comm_time_s > 50 * fast.comm_time_s  # 5 GB/s against 400
+    argv = ["estimate", "--preset", "llama3-8b", "--shard-size", "8", "--links", str(path)]
+    assert main(argv) == 0
+    assert f"{slow.comm_time_s:.3f} s (no overlap)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("doc", "message"),
+    [
+        ({"measurements": [{"world": 2}]}, "must be an object with exactly the keys"),
+        ({"measurements": _rows(5, 1, 1, False, worlds=(4,))}, "at least 2 world sizes"),
+        ({"measurements": _rows(5, 1, 1, False, sizes=(2**20,))[:2]}, "at least 2 world sizes"),
+        ([], "expected an object with a 'measurements' list"),
+        ({"ranks_per_node": 0, "measurements": []}, "ranks_per_node must be an int >= 1"),
+        (
+            {"measurements": [dict(r, collective="all_reduce") for r in _rows(5, 1, 1, False)]},
+            "collective must be one of",
+        ),
+        (
+            {"measurements": [dict(r, seconds=0.001) for r in _rows(5, 1, 1, False)]},
+            "do not grow with the bytes sent",
+        ),
+    ],
+)
+def test_bad_calibration_files(tmp_path, doc, message) -> None:
+    path = tmp_path / "links.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=message):
+        load_links(path)
+
+
+def test_unreadable_calibration_file(tmp_path) -> None:
+    with pytest.raises(ValueError, match="cannot read"):
+        load_links(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_links(tmp_path / "bad.json")
