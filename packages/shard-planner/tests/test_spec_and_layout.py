@@ -78,6 +78,13 @@ def test_json_round_trip() -> None:
     assert again == layout
     assert again.offsets == layout.offsets
     assert again.tensors[0].shape == (64, 32)
+    # Each tensor's per-rank units travel with it (RaggedShard's local_units), checked on read.
+    data = json.loads(layout.to_json())
+    for entry in data["tensors"]:
+        assert tuple(entry["local_units"]) == layout.local_units(entry["name"])
+    data["tensors"][0]["local_units"][0] += 1
+    with pytest.raises(ValueError, match="has local_units .* but its offset gives"):
+        Layout.from_json(json.dumps(data))
 
 
 @pytest.mark.parametrize(

@@ -254,7 +254,12 @@ class Layout:
         return json.dumps(self.to_dict(), indent=1)
 
     def to_dict(self) -> dict[str, Any]:
-        """The layout as a JSON-ready dict (what `to_json` writes)."""
+        """The layout as a JSON-ready dict (what `to_json` writes).
+
+        Each tensor carries its `local_units` per rank (what `RaggedShard(local_units=...)`
+        takes), so another system can shard by the plan without this package; reading it
+        back checks them against the offsets.
+        """
         return {
             "version": _JSON_VERSION,
             "world_size": self.world_size,
@@ -267,6 +272,7 @@ class Layout:
                     "block": s.block,
                     "offset": o,
                     **({"shape": list(s.shape)} if s.shape is not None else {}),
+                    "local_units": list(self.local_units(s.name)),
                 }
                 for s, o in zip(self.tensors, self.starts, strict=True)
             ],
@@ -313,6 +319,13 @@ class Layout:
             if "version" not in data or "tensors" not in data:
                 hint = " (a plan of several groups, as `plan --out` writes, is read by load_plan)"
             raise ValueError(f"layout JSON is missing or mistypes a field: {exc!r}{hint}") from None
+        for entry in entries:
+            given = entry.get("local_units")
+            if given is not None and tuple(given) != layout.local_units(entry["name"]):
+                raise ValueError(
+                    f"layout JSON: tensor {entry['name']!r} has local_units {given}, but its "
+                    f"offset gives {list(layout.local_units(entry['name']))}"
+                )
         return layout
 
 
