@@ -83,7 +83,7 @@ def test_json_round_trip() -> None:
     for entry in data["tensors"]:
         assert tuple(entry["local_units"]) == layout.local_units(entry["name"])
     data["tensors"][0]["local_units"][0] += 1
-    with pytest.raises(ValueError, match="has local_units .* but its offset gives"):
+    with pytest.raises(ValueError, match=r"has local_units .* but its offset gives"):
         Layout.from_json(json.dumps(data))
 
 
