@@ -70,7 +70,8 @@ def advise(
     Each split is estimated with `estimate(groups, shard_size=W, replicate_size=R, ...)`; it
     fits when its peak per rank (`Estimate.memory_bytes` + `activation_bytes`) is at most
     `memory_bytes`. Splits that leave at least `min_headroom` of the budget free come first,
-    then the others; within each, candidates are ranked by predicted communication time, and
+    then the others; within each, candidates are ranked by predicted step time (with a
+    `compute` model; else communication time), and
     times within 1% of the fastest remaining count as a tie, won by the most headroom (then
     the least padding). Shard sizes with fewer blocks than ranks in some group (ranks that
     would hold only padding) are skipped.
@@ -93,7 +94,8 @@ def advise(
         include_all: Also return the splits that do not fit (`fits=False`), after the
             fitting ones, by memory.
         **options: Passed to `estimate` (param_bytes, grad_bytes, compute_bytes, optimizer,
-            block_rows, align_bytes, intra_node_gbps, inter_node_gbps, latency_us).
+            block_rows, align_bytes, intra_node_gbps, inter_node_gbps, latency_us,
+            hop_latency_us, compute).
 
     Returns:
         The fitting candidates, best first (empty when none fits).
@@ -173,11 +175,11 @@ TIE = 0.01  # predicted times this close (relative) are a tie: the model is not 
 
 def _rank(candidates: list[Candidate]) -> list[Candidate]:
     """Fastest first; among those within `TIE` of the fastest left, the most headroom wins."""
-    left = sorted(candidates, key=lambda c: c.estimate.comm_time_s)
+    left = sorted(candidates, key=lambda c: c.estimate.time_s)
     ranked = []
     while left:
-        limit = left[0].estimate.comm_time_s * (1 + TIE)
-        tied = [c for c in left if c.estimate.comm_time_s <= limit]
+        limit = left[0].estimate.time_s * (1 + TIE)
+        tied = [c for c in left if c.estimate.time_s <= limit]
         best = max(tied, key=lambda c: (c.headroom, -c.estimate.padding_elements))
         ranked.append(best)
         left.remove(best)

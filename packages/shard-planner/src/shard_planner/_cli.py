@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NoReturn
 
 from shard_planner._advise import Candidate, advise
+from shard_planner._compute import ComputeModel
 from shard_planner._cost_report import (
     format_candidates,
     format_estimate,
@@ -197,7 +198,11 @@ def _cmd_show(args: argparse.Namespace) -> None:
 
 def _cost_options(args: argparse.Namespace) -> dict[str, Any]:
     links = load_links(args.links).options() if args.links else {}
+    compute = None
+    if args.tokens_per_rank:
+        compute = ComputeModel(args.tokens_per_rank, args.top_k, args.peak_tflops, args.mfu)
     return {
+        "compute": compute,
         "param_bytes": args.param_bytes,
         "grad_bytes": args.grad_bytes,
         "compute_bytes": args.compute_bytes,
@@ -254,6 +259,16 @@ def _cmd_advise(args: argparse.Namespace) -> None:
             f"(replicate, shard), block_rows={args.block_rows}, then bottom-up:"
         )
         print("\n".join(f"    {line}" for line in fully_shard_calls(grouped)))
+        est = best.estimate
+        if est.step_time_s and est.comm_time_s > 3 * est.compute_time_s:
+            print(
+                f"note: communication is {est.comm_time_s / est.compute_time_s:.0f}x the "
+                f"compute of {est.compute_time_s:.2f} s per step: FSDP sends each parameter "
+                f"three times per step (two gathers, one reduce), so with this few tokens "
+                f"per rank no mesh split or grouping hides it; more tokens per rank, or "
+                f"expert parallelism (experts held whole by fewer ranks, not modeled "
+                f"here), is the lever"
+            )
         if best.expert_groups:
             print(
                 "    (an expert group gathers when one of its experts runs: every rank must "
@@ -374,6 +389,14 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--inter-node-gbps", type=_positive_float, default=50.0)
         p.add_argument("--latency-us", type=_positive_float, default=20.0, help="per collective")
         p.add_argument("--hop-latency-us", type=_positive_float, default=2.0, help="per ring step")
+        p.add_argument(
+            "--tokens-per-rank",
+            type=_positive,
+            help="tokens per rank per step: adds compute and the step time with overlap",
+        )
+        p.add_argument("--top-k", type=_positive, help="routed experts per token (MoE)")
+        p.add_argument("--peak-tflops", type=_positive_float, default=989.0)
+        p.add_argument("--mfu", type=_positive_float, default=0.4)
         p.add_argument(
             "--links",
             help="a calibration file (tools/calibrate_links.py): its fitted link figures "

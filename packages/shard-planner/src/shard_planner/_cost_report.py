@@ -30,22 +30,33 @@ def format_estimate(est: Estimate) -> str:
         ("padding", f"{est.padding_elements:,} elements ({100 * est.padding_ratio:.3f}%)"),
         ("predicted communication per step", f"{est.comm_time_s:.3f} s (no overlap)"),
     ]
+    if est.step_time_s:
+        rows += [
+            ("FLOPs per token", f"{est.flops_per_token:.4g}"),
+            ("compute per step", f"{est.compute_time_s:.3f} s"),
+            ("step, collectives overlapped", f"{est.step_time_s:.3f} s"),
+            ("exposed communication", f"{est.exposed_comm_s:.3f} s"),
+        ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
 def format_candidates(candidates: Sequence[Candidate], memory_bytes: int) -> str:
     """The ranking as a markdown table; splits that do not fit are marked."""
+    timed = any(c.estimate.step_time_s for c in candidates)
+    step = "step s | compute s | " if timed else ""
     lines = [
-        "| rank | replicate x shard | groups | comm s/step | padding | memory GiB/rank "
+        f"| rank | replicate x shard | groups | {step}comm s/step | padding | memory GiB/rank "
         "| headroom | fits |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- " * (8 + 2 * timed) + "|",
     ]
     for i, c in enumerate(candidates, 1):
+        est = c.estimate
+        times = f"{est.step_time_s:.3f} | {est.compute_time_s:.3f} | " if timed else ""
         lines.append(
             f"| {i if c.fits else '-'} | {c.replicate_size} x {c.shard_size} | "
-            f"{granularity_name(c.expert_groups)} | "
-            f"{c.estimate.comm_time_s:.3f} | {100 * c.estimate.padding_ratio:.2f}% | "
+            f"{granularity_name(c.expert_groups)} | {times}"
+            f"{est.comm_time_s:.3f} | {100 * est.padding_ratio:.2f}% | "
             f"{c.memory_bytes / _GIB:.1f} | {100 * c.headroom:.0f}% | "
             f"{'yes' if c.fits else 'no'} |"
         )

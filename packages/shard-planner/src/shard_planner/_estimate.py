@@ -12,6 +12,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from shard_planner._compute import ComputeModel, matmul_params, step_time
 from shard_planner._layout import Layout
 from shard_planner._plan import plan_layout
 from shard_planner._presets import GroupSpec
@@ -47,12 +48,25 @@ class Estimate:
     padding_bytes: int
     numel: int
     comm_time_s: float
+    compute_time_s: float = 0.0
+    step_time_s: float = 0.0
+    flops_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("shard_size", "replicate_size"):
             check_count(name, getattr(self, name), 1)
         if len(self.optimizer_bytes_by_rank) != self.shard_size:
             raise ValueError("optimizer_bytes_by_rank needs one entry per shard rank")
+
+    @property
+    def time_s(self) -> float:
+        """The step time when a compute model was given, else the communication time."""
+        return self.step_time_s or self.comm_time_s
+
+    @property
+    def exposed_comm_s(self) -> float:
+        """Communication the compute does not hide (step time minus compute)."""
+        return self.step_time_s - self.compute_time_s if self.step_time_s else self.comm_time_s
 
     @property
     def num_ranks(self) -> int:
@@ -251,6 +265,7 @@ def estimate(
     latency_us: float = 20.0,
     hop_latency_us: float = 2.0,
     allow_idle_ranks: bool = False,
+    compute: ComputeModel | None = None,
 ) -> Estimate:
     """Memory per rank and communication per step of FSDP over `shard_size` ranks (x replicas).
 
@@ -275,8 +290,10 @@ def estimate(
     2 (R-1) steps and 2 (R-1)/R S_g b_g for the all-reduce; the bandwidth (per rank) is
     intra-node only when every group of the collective lies within one node (shard groups are
     consecutive ranks, replica groups strided by W; nodes hold `ranks_per_node` consecutive
-    ranks), else inter-node: a group that straddles two nodes runs at the slower link. No
-    overlap with compute is assumed, so it is an upper bound on exposed communication.
+    ranks), else inter-node: a group that straddles two nodes runs at the slower link.
+    `comm_time_s` sums them (no overlap: an upper bound on exposed communication); with
+    `compute`, `step_time_s` overlaps each group's collectives with its neighbours' compute
+    (`_compute.py`) and `exposed_comm_s` is what compute does not hide.
 
     Args:
         groups: The model's FSDP groups (e.g. `load_preset(name).groups`).
@@ -296,6 +313,8 @@ def estimate(
         hop_latency_us: Cost of each of a ring's steps beyond its bytes, microseconds.
         allow_idle_ranks: Accept a group with fewer blocks than W (some ranks then hold only
             padding, as a DBuffer does for a small group); by default that is an error.
+        compute: Tokens per rank and the accelerator's speed: adds the compute time, the
+            FLOPs per token and the step time with FSDP's overlap (`_compute.py`).
 
     Returns:
         The Estimate.
@@ -306,11 +325,16 @@ def estimate(
         >>> round(est.param_bytes / 2**30, 2), f"{est.padding_ratio:.4%}"
         (3.74, '0.0102%')
     """
+    compute_model = compute
+    if compute_model is not None and not isinstance(compute_model, ComputeModel):
+        raise TypeError(f"compute must be a ComputeModel, got {type(compute_model).__name__}")
     shard_size = check_count("shard_size", shard_size, 1)
     replicate_size = check_count("replicate_size", replicate_size, 1)
     param_bytes = _check_bytes("param_bytes", param_bytes)
     grad_bytes = _check_bytes("grad_bytes", grad_bytes)
-    compute = param_bytes if compute_bytes is None else _check_bytes("compute_bytes", compute_bytes)
+    gathered = (
+        param_bytes if compute_bytes is None else _check_bytes("compute_bytes", compute_bytes)
+    )
     block_rows = check_count("block_rows", block_rows, 1)
     ranks_per_node = check_count("ranks_per_node", ranks_per_node, 1)
     _check_optimizer(optimizer, block_rows)
@@ -354,13 +378,28 @@ def estimate(
     replica_gbps = links[_crosses_nodes(r, w, w * r, ranks_per_node)] * 1e9
     shard_latency = (latency_us + (w - 1) * hop_latency_us) * 1e-6
     replica_latency = (latency_us + 2 * (r - 1) * hop_latency_us) * 1e-6
-    time = 0.0
+    gathers, reduces = [], []
     for s in shard_sizes:
+        gather = reduce = 0.0
         if w > 1:
-            time += 2 * (shard_latency + (w - 1) * s * compute / shard_gbps)
-            time += shard_latency + (w - 1) * s * grad_bytes / shard_gbps
+            gather = shard_latency + (w - 1) * s * gathered / shard_gbps
+            reduce = shard_latency + (w - 1) * s * grad_bytes / shard_gbps
         if r > 1:
-            time += replica_latency + 2 * (r - 1) / r * s * grad_bytes / replica_gbps
+            reduce += replica_latency + 2 * (r - 1) / r * s * grad_bytes / replica_gbps
+        gathers.append(gather)
+        reduces.append(reduce)
+    time = 2 * sum(gathers) + sum(reduces)
+    timing: dict[str, float] = {}
+    if compute_model is not None:
+        params = matmul_params(groups, compute_model.top_k)
+        work = [
+            6 * p * compute_model.tokens_per_rank / compute_model.flops_per_second for p in params
+        ]
+        timing = {
+            "compute_time_s": sum(work),
+            "step_time_s": step_time(work, gathers, reduces),
+            "flops_per_token": 6 * sum(params),
+        }
     return Estimate(
         shard_size=w,
         replicate_size=r,
@@ -368,14 +407,15 @@ def estimate(
         grad_bytes=total * grad_bytes,
         optimizer_bytes=max(optimizer_by_rank),
         optimizer_bytes_by_rank=tuple(optimizer_by_rank),
-        unsharded_bytes=w * max(shard_sizes) * compute,
-        prefetch_unsharded_bytes=w * max(pairs) * compute,
+        unsharded_bytes=w * max(shard_sizes) * gathered,
+        prefetch_unsharded_bytes=w * max(pairs) * gathered,
         reduce_scatter_input_bytes=w * max(shard_sizes) * grad_bytes,
-        all_gather_bytes=2 * (w - 1) * total * compute,
+        all_gather_bytes=2 * (w - 1) * total * gathered,
         reduce_scatter_bytes=(w - 1) * total * grad_bytes,
         all_reduce_bytes=total * grad_bytes if r > 1 else 0,
         padding_elements=w * total - numel,
         padding_bytes=(w * total - numel) * param_bytes,
         numel=numel,
         comm_time_s=time,
+        **timing,
     )

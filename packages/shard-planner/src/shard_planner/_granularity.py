@@ -65,7 +65,7 @@ def has_experts(groups: Sequence[GroupSpec]) -> int:
 
 
 def _split(group: GroupSpec, num_groups: int) -> list[GroupSpec] | None:
-    rest, per_expert, fused, owner = _classify(group)
+    rest, per_expert, fused, owner = classify(group)
     if not per_expert and not fused:
         return [group]
     head = [GroupSpec(group.name, rest)] if rest else []
@@ -85,7 +85,7 @@ def _split(group: GroupSpec, num_groups: int) -> list[GroupSpec] | None:
 
 
 @functools.lru_cache(maxsize=1024)  # advise splits each group at several granularities
-def _classify(
+def classify(
     group: GroupSpec,
 ) -> tuple[tuple[_Entry, ...], dict[int, list[_Entry]], tuple[_Entry, ...], str]:
     """(other entries, entries per expert index, fused expert entries, experts module)."""

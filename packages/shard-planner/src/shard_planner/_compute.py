@@ -1,0 +1,135 @@
+"""Compute per step from shapes, and the step time once FSDP overlaps its collectives.
+
+FLOPs: a token runs every weight matrix of its path once forward (2 FLOPs per parameter)
+and twice backward (4): 6 per parameter, over the matrices (2+ dims) that are not
+embeddings (a lookup), and over routed experts only `top_k` of the model's experts. Attention
+scores (which grow with the sequence) are not counted. Time: FLOPs / (peak x MFU).
+
+Step: FSDP gathers the next group while this one computes, and reduces a group's gradients
+while the one before it runs backward, so per group the slower of its compute and the
+collectives overlapping it counts (the first gather and the last reduce are exposed):
+forward `ag_0 + sum_g max(fwd_g, ag_g+1)`, backward `sum_g max(bwd_g, ag_g-1 + rs_g+1 +
+ar_g+1) + rs_0 + ar_0`, with fwd = 1/3 and bwd = 2/3 of a group's compute.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from shard_planner._granularity import classify
+from shard_planner._presets import GroupSpec, _Entry
+
+
+@dataclass(frozen=True)
+class ComputeModel:
+    """How much a rank computes per step, and how fast.
+
+    Attributes:
+        tokens_per_rank: Tokens one rank processes per optimizer step (sequence length x
+            micro-batch x micro-batches).
+        top_k: Routed experts each token runs (needed when the model has experts).
+        peak_tflops: The accelerator's dense peak in the compute dtype (989: H100 bf16).
+        mfu: The fraction of peak the model's matmuls reach.
+
+    Example:
+        >>> ComputeModel(tokens_per_rank=8192, mfu=0.5).flops_per_second
+        494500000000000.0
+    """
+
+    tokens_per_rank: int
+    top_k: int | None = None
+    peak_tflops: float = 989.0
+    mfu: float = 0.4
+
+    def __post_init__(self) -> None:
+        tokens: object = self.tokens_per_rank  # user input: check what came
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+            raise ValueError(f"tokens_per_rank must be an int >= 1, got {tokens!r}")
+        top_k: object = self.top_k
+        if top_k is not None and (
+            isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1
+        ):
+            raise ValueError(f"top_k must be an int >= 1 or None, got {top_k!r}")
+        for name, low, high in (("peak_tflops", 0.0, math.inf), ("mfu", 0.0, 1.0)):
+            value: object = getattr(self, name)
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+            if not ok or not low < value <= high or not math.isfinite(value):  # type: ignore[operator, arg-type]
+                raise ValueError(
+                    f"{name} must be a finite number in ({low}, {high}], got {value!r}"
+                )
+
+    @property
+    def flops_per_second(self) -> float:
+        """What the matmuls reach: peak x MFU."""
+        return self.peak_tflops * 1e12 * self.mfu
+
+
+def matmul_params(groups: Sequence[GroupSpec], top_k: int | None) -> list[float]:
+    """Per group, the parameters whose matmuls one token runs (routed experts: top_k of E).
+
+    E is the model's expert count (the largest expert index + 1, or a fused tensor's
+    first dim), so a group holding some of a block's experts counts its share.
+
+    Raises:
+        ValueError: The model has routed experts and `top_k` is None or above E.
+    """
+    num_experts = _num_experts(groups)
+    if num_experts and (top_k is None or top_k > num_experts):
+        raise ValueError(
+            f"the model routes tokens to {num_experts} experts: give top_k (how many each "
+            f"token runs, 1..{num_experts}), got {top_k!r}"
+        )
+    out = []
+    for group in groups:
+        rest, per_expert, fused, _ = classify(group)
+        dense = sum(e.numel for e in rest if _is_matmul(e))
+        routed = sum(e.numel for entries in per_expert.values() for e in entries if _is_matmul(e))
+        routed += sum(e.numel for e in fused if _is_matmul(e))
+        out.append(dense + (routed * (top_k or 0) / num_experts if num_experts else 0.0))
+    return out
+
+
+def step_time(
+    compute_s: Sequence[float],
+    all_gather_s: Sequence[float],
+    reduce_s: Sequence[float],
+) -> float:
+    """The step time with FSDP's overlap (module docstring), groups in forward order.
+
+    Args:
+        compute_s: Each group's forward + backward compute, seconds.
+        all_gather_s: Each group's all-gather, seconds (one; it runs twice).
+        reduce_s: Each group's reduce-scatter plus HSDP all-reduce, seconds.
+    """
+    n = len(compute_s)
+    if not n:
+        return 0.0
+    time = all_gather_s[0]
+    for g in range(n):
+        following = all_gather_s[g + 1] if g + 1 < n else 0.0
+        time += max(compute_s[g] / 3, following)
+    for g in reversed(range(n)):
+        overlapped = (all_gather_s[g - 1] if g > 0 else 0.0) + (
+            reduce_s[g + 1] if g + 1 < n else 0.0
+        )
+        time += max(2 * compute_s[g] / 3, overlapped)
+    return time + reduce_s[0]
+
+
+def _is_matmul(entry: _Entry) -> bool:
+    dims = len(entry.shape) if entry.shape is not None else 1
+    return dims >= 2 and "embed" not in entry.name
+
+
+def _num_experts(groups: Sequence[GroupSpec]) -> int:
+    most = 0
+    for group in groups:
+        _, per_expert, fused, _ = classify(group)
+        if per_expert:
+            most = max(most, max(per_expert) + 1)
+        for entry in fused:
+            if entry.shape:
+                most = max(most, entry.shape[0])
+    return most

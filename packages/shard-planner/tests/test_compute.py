@@ -1,0 +1,77 @@
+"""The compute term: FLOPs from shapes, the step time with FSDP's overlap, bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from shard_planner import estimate, load_preset
+from shard_planner._cli import main
+from shard_planner._compute import ComputeModel, matmul_params, step_time
+from shard_planner._granularity import split_experts
+
+
+def test_flops_count_every_matrix_but_embeddings_and_top_k_experts() -> None:
+    llama = load_preset("llama3-8b").groups
+    per_group = matmul_params(llama, top_k=None)
+    matrices = sum(
+        e.numel for g in llama for e in g.entries
+        if e.shape is not None and len(e.shape) >= 2 and "embed" not in e.name
+    )  # fmt: skip
+    assert sum(per_group) == matrices
+    assert per_group[0] == 0  # the embedding group: a lookup
+    deepseek = load_preset("deepseek-v3-671b").groups
+    layer = deepseek[5]  # an MoE block: attention, router, shared expert, 256 routed experts
+    routed = sum(e.numel for e in layer.entries if ".experts." in e.name)
+    dense = sum(
+        e.numel for e in layer.entries
+        if ".experts." not in e.name and e.shape is not None and len(e.shape) >= 2
+    )  # fmt: skip
+    assert matmul_params([layer], top_k=8) == [pytest.approx(dense + routed * 8 / 256)]
+    # Experts split into groups count the same: each holds a share of the 256.
+    split = split_experts(deepseek, 4)
+    assert split is not None
+    assert sum(matmul_params(split, 8)) == pytest.approx(sum(matmul_params(deepseek, 8)))
+    with pytest.raises(ValueError, match="routes tokens to 256 experts: give top_k"):
+        matmul_params(deepseek, None)
+
+
+def test_step_time_overlaps_each_group_with_its_neighbours() -> None:
+    # Compute-bound: every collective hides but the first gather and the last reduce.
+    assert step_time([3.0, 3.0], [0.1, 0.1], [0.2, 0.2]) == pytest.approx(0.1 + 6.0 + 0.2)
+    # Communication-bound: the collectives add up (2 gathers per group, then reduces).
+    assert step_time([0.03, 0.03], [1.0, 1.0], [2.0, 2.0]) == pytest.approx(
+        1.0 + max(0.01, 1.0) + 0.01 + max(0.02, 1.0) + max(0.02, 2.0) + 2.0
+    )
+    assert step_time([], [], []) == 0.0
+    groups = load_preset("llama3-8b").groups
+    model = ComputeModel(tokens_per_rank=4096)
+    est = estimate(groups, shard_size=8, compute=model)
+    assert est.flops_per_token == 6 * sum(matmul_params(groups, None))
+    assert est.compute_time_s == pytest.approx(est.flops_per_token * 4096 / (989e12 * 0.4))
+    assert est.compute_time_s <= est.step_time_s <= est.compute_time_s + est.comm_time_s
+    assert est.exposed_comm_s == pytest.approx(est.step_time_s - est.compute_time_s)
+    more = estimate(groups, shard_size=8, compute=ComputeModel(tokens_per_rank=4 * 4096))
+    assert more.exposed_comm_s < est.exposed_comm_s  # more compute hides more
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"tokens_per_rank": 0}, "tokens_per_rank must be an int >= 1"),
+        ({"tokens_per_rank": 8, "top_k": 0}, "top_k must be an int >= 1 or None"),
+        ({"tokens_per_rank": 8, "mfu": 1.5}, "mfu must be a finite number in"),
+        ({"tokens_per_rank": 8, "peak_tflops": float("inf")}, "peak_tflops must be a finite"),
+    ],
+)
+def test_bad_compute_models(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        ComputeModel(**kwargs)
+
+
+def test_advise_ranks_by_step_time_and_says_when_communication_dominates(capsys) -> None:
+    argv = ["advise", "--preset", "synthetic-moe-2.4t", "--ranks", "10240", "--memory-gb", "80",
+            "--compute-bytes", "2", "--tokens-per-rank", "16384", "--top-k", "8"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| step s | compute s | comm s/step |" in out
+    assert "note: communication is" in out and "expert parallelism" in out
