@@ -249,9 +249,10 @@ def test_advise_ranks_the_splits_and_names_the_padding(tmp_path, capsys) -> None
     assert "| 2 | 16 x 64 | blocks | 27.908 | 0.05% | 63.1 | 21% | yes |" in text
     # Fused experts wrapped apart: 16-row blocks of whole experts pad more, so they rank later.
     assert "| 5 | 16 x 64 | experts apart | 29.345 | 5.14% | 54.5 | 32% | yes |" in text
-    assert "padding under 3% at shard sizes [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]" in text
+    assert "padding under 3% at shard sizes [64, 128, 256, 512]; at or above it at [1024]" in text
     rows = json.loads(out.read_text())
-    assert len(rows) == 2 * 11 and all(r["replicate_size"] * r["shard_size"] == 1024 for r in rows)
+    # The splits that fit (W >= 64: below, the sharded state alone exceeds 80 GiB).
+    assert len(rows) == 10 and all(r["replicate_size"] * r["shard_size"] == 1024 for r in rows)
     assert {r["expert_groups"] for r in rows} == {0, 1}
 
 

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from shard_planner._compute import ComputeModel
 from shard_planner._estimate import BlockTooLargeError, Estimate, estimate
 from shard_planner._granularity import has_experts, split_experts
 from shard_planner._presets import GroupSpec
@@ -62,6 +63,7 @@ def advise(
     min_shard_size: int = 1,
     min_headroom: float = 0.1,
     expert_groups: Sequence[int] | None = None,
+    expert_parallel: Sequence[int] | None = None,
     include_all: bool = False,
     **options: Any,
 ) -> list[Candidate]:
@@ -91,6 +93,10 @@ def advise(
             first (activations not counted, fragmentation), in [0, 1).
         expert_groups: The k to try (0: blocks whole). None: 0, 1, 2, 4 and 8 where the
             model's blocks have that many experts (fused experts: 0 and 1).
+        expert_parallel: EP degrees to try, each with the experts as one group per block
+            (k = 1; `estimate`'s expert_parallel). None: 1, and 2 .. 64 (powers of two that
+            divide W and the experts) when a `compute` model with top_k and hidden_size
+            prices the all-to-alls.
         include_all: Also return the splits that do not fit (`fits=False`), after the
             fitting ones, by memory.
         **options: Passed to `estimate` (param_bytes, grad_bytes, compute_bytes, optimizer,
@@ -122,9 +128,16 @@ def advise(
     if not isinstance(given, int | float) or isinstance(given, bool) or not 0 <= given < 1:
         raise ValueError(f"min_headroom must be a fraction in [0, 1), got {min_headroom!r}")
     out, refused = [], []
-    for k, grouped in _granularities(groups, expert_groups):
+    granularities = _granularities(groups, expert_groups)
+    degrees = _ep_degrees(groups, expert_parallel, options.get("compute"))
+    # Splits whose sharded state alone exceeds the memory are not estimated (unless all are
+    # asked for): padding and transients only add to it.
+    floor = sum(g.numel for g in groups) * _bytes_per_element(options)
+    for k, grouped, ep in _searched(groups, granularities, degrees):
         for replicate, shard in factorisations(num_ranks):
-            if shard < min_shard_size:
+            if shard < min_shard_size or shard % ep:
+                continue
+            if not include_all and floor / shard + activation_bytes > memory_bytes:
                 continue
             try:
                 est = estimate(
@@ -132,6 +145,7 @@ def advise(
                     shard_size=shard,
                     replicate_size=replicate,
                     ranks_per_node=ranks_per_node,
+                    expert_parallel=ep,
                     **options,
                 )
             except BlockTooLargeError as err:
@@ -167,6 +181,52 @@ def _granularities(
                 f"one; per-expert modules at most as many as a block has: {has_experts(groups)})"
             )
         out.append((k, grouped))
+    return out
+
+
+def _bytes_per_element(options: dict[str, Any]) -> int:
+    """The least state `estimate` counts per parameter: parameter, gradient, optimizer."""
+    param = options.get("param_bytes", 4)
+    grad = options.get("grad_bytes", 4)
+    optimizer = {"adamw": 2 * param, "sgd": param, "muon": param, "adamw8bit": 2}
+    return int(param + grad + optimizer.get(options.get("optimizer", "adamw"), 0))
+
+
+def _ep_degrees(
+    groups: Sequence[GroupSpec], given: Sequence[int] | None, compute: object
+) -> list[int]:
+    """The EP degrees to try (see `advise`)."""
+    if given is not None:
+        degrees = [check_count("expert_parallel entry", e, 1) for e in given]
+        if any(e > 1 for e in degrees) and not _prices_all_to_all(compute):
+            raise ValueError(
+                "expert parallelism sends tokens to their experts: pass compute="
+                "ComputeModel(tokens_per_rank=..., top_k=..., hidden_size=...) to price it"
+            )
+        return degrees
+    experts = has_experts(groups)
+    if experts < 2 or not _prices_all_to_all(compute):
+        return [1]
+    return [e for e in (1, 2, 4, 8, 16, 32, 64) if e == 1 or experts % e == 0]
+
+
+def _prices_all_to_all(compute: object) -> bool:
+    return isinstance(compute, ComputeModel) and None not in (compute.top_k, compute.hidden_size)
+
+
+def _searched(
+    groups: Sequence[GroupSpec],
+    granularities: list[tuple[int, tuple[GroupSpec, ...]]],
+    degrees: list[int],
+) -> list[tuple[int, tuple[GroupSpec, ...], int]]:
+    """(k, groups, EP degree) to estimate: each k without EP; EP with experts apart (k = 1)."""
+    out = [(k, grouped, 1) for k, grouped in granularities] if 1 in degrees else []
+    with_ep = [e for e in degrees if e > 1]
+    if with_ep:
+        apart = split_experts(groups, 1)
+        if apart is None:
+            raise ValueError("expert parallelism needs the experts in groups of their own")
+        out += [(1, apart, e) for e in with_ep]
     return out
 
 

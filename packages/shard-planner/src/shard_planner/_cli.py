@@ -196,11 +196,20 @@ def _cmd_show(args: argparse.Namespace) -> None:
         print(f"wrote {args.out}")
 
 
+def _config_int(args: argparse.Namespace, key: str) -> int | None:
+    """An integer from the preset's recorded config (e.g. hidden_size), if it has one."""
+    if not getattr(args, "preset", None):
+        return None
+    value = load_preset(args.preset).config.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def _cost_options(args: argparse.Namespace) -> dict[str, Any]:
     links = load_links(args.links).options() if args.links else {}
     compute = None
     if args.tokens_per_rank:
-        compute = ComputeModel(args.tokens_per_rank, args.top_k, args.peak_tflops, args.mfu)
+        hidden = args.hidden_size or _config_int(args, "hidden_size")
+        compute = ComputeModel(args.tokens_per_rank, args.top_k, args.peak_tflops, args.mfu, hidden)
     return {
         "compute": compute,
         "param_bytes": args.param_bytes,
@@ -239,7 +248,10 @@ def _cmd_estimate(args: argparse.Namespace) -> None:
 def _cmd_advise(args: argparse.Namespace) -> None:
     model = _load_model(args)
     memory = int(args.memory_gb * 2**30)
-    candidates = _advise(model, args, memory, expert_groups=args.expert_groups)
+    search = {"expert_groups": args.expert_groups, "expert_parallel": args.expert_parallel}
+    candidates = _advise(model, args, memory, **search)
+    if not candidates:  # nothing fits: every split, for the table and the levers
+        candidates = _advise(model, args, memory, include_all=True, **search)
     print(
         f"{model.name}: {model.numel:,} parameters on {args.ranks} ranks ({args.ranks_per_node} "
         f"per node), {args.memory_gb:g} GiB per rank, {args.block_rows} rows per block, "
@@ -266,8 +278,14 @@ def _cmd_advise(args: argparse.Namespace) -> None:
                 f"compute of {est.compute_time_s:.2f} s per step: FSDP sends each parameter "
                 f"three times per step (two gathers, one reduce), so with this few tokens "
                 f"per rank no mesh split or grouping hides it; more tokens per rank, or "
-                f"expert parallelism (experts held whole by fewer ranks, not modeled "
-                f"here), is the lever"
+                f"expert parallelism (--expert-parallel, priced with --top-k), is the lever"
+            )
+        if best.estimate.expert_parallel > 1:
+            print(
+                f"    (experts: expert parallelism of {best.estimate.expert_parallel}: "
+                f"distribute each block's experts over an 'ep' mesh axis of that size first "
+                f"(Shard(0) on the experts), then shard them over the remaining "
+                f"{best.shard_size // best.estimate.expert_parallel} ranks with the calls above)"
             )
         if best.expert_groups:
             print(
@@ -295,7 +313,6 @@ def _advise(
         ranks_per_node=args.ranks_per_node,
         memory_bytes=memory,
         activation_bytes=int(args.activation_gb * 2**30),
-        include_all=True,
         **{**options, **overrides},
     )
 
@@ -318,7 +335,9 @@ def _levers(model: ModelPreset, args: argparse.Namespace, memory: int) -> list[s
     lines = []
     for what, change in levers:
         expert_groups = None if not change else args.expert_groups
-        tried = _advise(model, args, memory, expert_groups=expert_groups, **change)
+        tried = _advise(
+            model, args, memory, expert_groups=expert_groups, include_all=True, **change
+        )
         least = min(tried, key=lambda c: c.memory_bytes)
         verdict = "fits" if least.fits else "does not fit"
         lines.append(
@@ -395,6 +414,11 @@ def _parser() -> argparse.ArgumentParser:
             help="tokens per rank per step: adds compute and the step time with overlap",
         )
         p.add_argument("--top-k", type=_positive, help="routed experts per token (MoE)")
+        p.add_argument(
+            "--hidden-size",
+            type=_positive,
+            help="activation width sent to experts under EP (default: the preset's)",
+        )
         p.add_argument("--peak-tflops", type=_positive_float, default=989.0)
         p.add_argument("--mfu", type=_positive_float, default=0.4)
         p.add_argument(
@@ -415,6 +439,12 @@ def _parser() -> argparse.ArgumentParser:
     adv.add_argument("--ranks", type=_positive, required=True)
     adv.add_argument("--memory-gb", type=_positive_float, required=True, help="GiB per rank")
     adv.add_argument("--activation-gb", type=_positive_float, default=0.0)
+    adv.add_argument(
+        "--expert-parallel",
+        type=_count_list,
+        help="EP degrees to try, e.g. 1,8,64 (default: 1, and powers of two up to 64 that "
+        "divide the experts, when --tokens-per-rank and --top-k price the all-to-alls)",
+    )
     adv.add_argument(
         "--expert-groups",
         type=_count_list,

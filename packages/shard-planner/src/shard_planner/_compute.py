@@ -14,6 +14,7 @@ ar_g+1) + rs_0 + ar_0`, with fwd = 1/3 and bwd = 2/3 of a group's compute.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ class ComputeModel:
         top_k: Routed experts each token runs (needed when the model has experts).
         peak_tflops: The accelerator's dense peak in the compute dtype (989: H100 bf16).
         mfu: The fraction of peak the model's matmuls reach.
+        hidden_size: The width of the activations sent to experts (expert parallelism).
 
     Example:
         >>> ComputeModel(tokens_per_rank=8192, mfu=0.5).flops_per_second
@@ -42,6 +44,7 @@ class ComputeModel:
     top_k: int | None = None
     peak_tflops: float = 989.0
     mfu: float = 0.4
+    hidden_size: int | None = None
 
     def __post_init__(self) -> None:
         tokens: object = self.tokens_per_rank  # user input: check what came
@@ -66,16 +69,20 @@ class ComputeModel:
         return self.peak_tflops * 1e12 * self.mfu
 
 
-def matmul_params(groups: Sequence[GroupSpec], top_k: int | None) -> list[float]:
+def matmul_params(
+    groups: Sequence[GroupSpec], top_k: int | None, experts: int | None = None
+) -> list[float]:
     """Per group, the parameters whose matmuls one token runs (routed experts: top_k of E).
 
-    E is the model's expert count (the largest expert index + 1, or a fused tensor's
-    first dim), so a group holding some of a block's experts counts its share.
+    E is the model's expert count (`experts`, by default the largest expert index + 1, or a
+    fused tensor's first dim), so a group holding some of a block's experts counts its share
+    (give the groups as the model has them: under EP a rank's 1/e of the experts runs
+    e times the tokens, the same FLOPs).
 
     Raises:
         ValueError: The model has routed experts and `top_k` is None or above E.
     """
-    num_experts = _num_experts(groups)
+    num_experts = num_experts_in(groups) if experts is None else experts
     if num_experts and (top_k is None or top_k > num_experts):
         raise ValueError(
             f"the model routes tokens to {num_experts} experts: give top_k (how many each "
@@ -83,12 +90,18 @@ def matmul_params(groups: Sequence[GroupSpec], top_k: int | None) -> list[float]
         )
     out = []
     for group in groups:
-        rest, per_expert, fused, _ = classify(group)
-        dense = sum(e.numel for e in rest if _is_matmul(e))
-        routed = sum(e.numel for entries in per_expert.values() for e in entries if _is_matmul(e))
-        routed += sum(e.numel for e in fused if _is_matmul(e))
+        dense, routed = _matmul_split(group)
         out.append(dense + (routed * (top_k or 0) / num_experts if num_experts else 0.0))
     return out
+
+
+@functools.lru_cache(maxsize=4096)  # advise asks for every group at every split
+def _matmul_split(group: GroupSpec) -> tuple[int, int]:
+    """(matrix parameters every token runs, matrix parameters of routed experts)."""
+    rest, per_expert, fused, _ = classify(group)
+    dense = sum(e.numel for e in rest if _is_matmul(e))
+    routed = sum(e.numel for entries in per_expert.values() for e in entries if _is_matmul(e))
+    return dense, routed + sum(e.numel for e in fused if _is_matmul(e))
 
 
 def step_time(
@@ -123,7 +136,8 @@ def _is_matmul(entry: _Entry) -> bool:
     return dims >= 2 and "embed" not in entry.name
 
 
-def _num_experts(groups: Sequence[GroupSpec]) -> int:
+def num_experts_in(groups: Sequence[GroupSpec]) -> int:
+    """The model's experts per block: the largest expert index + 1, or a fused first dim."""
     most = 0
     for group in groups:
         _, per_expert, fused, _ = classify(group)

@@ -55,7 +55,7 @@ def format_candidates(candidates: Sequence[Candidate], memory_bytes: int) -> str
         times = f"{est.step_time_s:.3f} | {est.compute_time_s:.3f} | " if timed else ""
         lines.append(
             f"| {i if c.fits else '-'} | {c.replicate_size} x {c.shard_size} | "
-            f"{granularity_name(c.expert_groups)} | {times}"
+            f"{granularity_name(c.expert_groups, est.expert_parallel)} | {times}"
             f"{est.comm_time_s:.3f} | {100 * est.padding_ratio:.2f}% | "
             f"{c.memory_bytes / _GIB:.1f} | {100 * c.headroom:.0f}% | "
             f"{'yes' if c.fits else 'no'} |"
@@ -72,17 +72,24 @@ def format_candidates(candidates: Sequence[Candidate], memory_bytes: int) -> str
     return "\n".join(lines)
 
 
-def granularity_name(expert_groups: int) -> str:
-    """How blocks are grouped: "blocks" whole, "experts apart", "experts in k"."""
+def granularity_name(expert_groups: int, expert_parallel: int = 1) -> str:
+    """How blocks are grouped: "blocks" whole, "experts apart", "experts in k", ", EP e"."""
     if expert_groups == 0:
         return "blocks"
-    return "experts apart" if expert_groups == 1 else f"experts in {expert_groups}"
+    name = "experts apart" if expert_groups == 1 else f"experts in {expert_groups}"
+    return name if expert_parallel == 1 else f"{name}, EP {expert_parallel}"
 
 
 def padding_note(candidates: Sequence[Candidate], threshold: float = 0.03) -> str:
-    """Which shard sizes keep padding under `threshold` (a fraction), in one line."""
-    good = sorted({c.shard_size for c in candidates if c.estimate.padding_ratio < threshold})
-    bad = sorted({c.shard_size for c in candidates if c.estimate.padding_ratio >= threshold})
+    """Which shard sizes keep padding under `threshold` (a fraction), in one line.
+
+    A size counts as under it when some candidate of that size (some grouping) is.
+    """
+    least: dict[int, float] = {}
+    for c in candidates:
+        least[c.shard_size] = min(least.get(c.shard_size, 1.0), c.estimate.padding_ratio)
+    good = sorted(size for size, ratio in least.items() if ratio < threshold)
+    bad = sorted(size for size, ratio in least.items() if ratio >= threshold)
     return (
         f"padding under {100 * threshold:g}% at shard sizes {good or 'none'}; "
         f"at or above it at {bad or 'none'}"

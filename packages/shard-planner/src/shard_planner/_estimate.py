@@ -13,6 +13,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shard_planner._compute import ComputeModel, matmul_params, step_time
+from shard_planner._expert_parallel import (
+    ALL_TO_ALLS_PER_BLOCK,
+    expert_groups_under_ep,
+    num_moe_blocks,
+)
 from shard_planner._layout import Layout
 from shard_planner._plan import plan_layout
 from shard_planner._presets import GroupSpec
@@ -51,6 +56,8 @@ class Estimate:
     compute_time_s: float = 0.0
     step_time_s: float = 0.0
     flops_per_token: float = 0.0
+    expert_parallel: int = 1
+    all_to_all_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("shard_size", "replicate_size"):
@@ -134,17 +141,42 @@ def _optimizer_per_rank(layout: Layout, optimizer: str, param_bytes: int) -> lis
     return out
 
 
-def _crosses_nodes(size: int, stride: int, num_ranks: int, ranks_per_node: int) -> bool:
-    """Whether any group of `size` ranks `stride` apart touches two nodes.
+def _crosses_nodes(
+    size: int, stride: int, starts: Sequence[int] | range, ranks_per_node: int
+) -> bool:
+    """Whether any group of `size` ranks `stride` apart, from one of `starts`, spans nodes.
 
-    Shard groups are consecutive ranks (stride 1, starting at multiples of `size`); replica
-    groups are strided by W (stride W, starting at 0 .. W - 1). Nodes hold consecutive ranks.
+    Nodes hold consecutive ranks. Shard groups: stride 1 from each multiple of W; replica
+    groups: stride W from 0 .. W - 1; expert groups under EP: stride e within a shard group.
     """
     if size == 1:
         return False
     span = (size - 1) * stride
-    starts = range(0, num_ranks, size) if stride == 1 else range(stride)
     return any(s // ranks_per_node != (s + span) // ranks_per_node for s in starts)
+
+
+def _all_to_all(
+    model: ComputeModel,
+    num_blocks: int,
+    ep: int,
+    gathered: int,
+    num_ranks: int,
+    ranks_per_node: int,
+    links: tuple[float, float],
+    latency_us: float,
+    hop_latency_us: float,
+) -> tuple[int, float]:
+    """Bytes one rank sends and the time of a step's expert all-to-alls (`_expert_parallel`)."""
+    if model.hidden_size is None or model.top_k is None:
+        raise ValueError(
+            "expert parallelism sends tokens to their experts: give the compute model's "
+            "top_k and hidden_size (the activations' width)"
+        )
+    per = model.tokens_per_rank * model.top_k * model.hidden_size * gathered * (ep - 1) // ep
+    gbps = links[_crosses_nodes(ep, 1, range(0, num_ranks, ep), ranks_per_node)]
+    one = (latency_us + (ep - 1) * hop_latency_us) * 1e-6 + per / gbps
+    count = ALL_TO_ALLS_PER_BLOCK * num_blocks
+    return count * per, count * one
 
 
 def _check_optimizer(optimizer: str, block_rows: int) -> None:
@@ -266,6 +298,7 @@ def estimate(
     hop_latency_us: float = 2.0,
     allow_idle_ranks: bool = False,
     compute: ComputeModel | None = None,
+    expert_parallel: int = 1,
 ) -> Estimate:
     """Memory per rank and communication per step of FSDP over `shard_size` ranks (x replicas).
 
@@ -315,6 +348,10 @@ def estimate(
             padding, as a DBuffer does for a small group); by default that is an error.
         compute: Tokens per rank and the accelerator's speed: adds the compute time, the
             FLOPs per token and the step time with FSDP's overlap (`_compute.py`).
+        expert_parallel: EP degree e (experts in groups of their own): each rank holds
+            1/e of a block's experts, sharded over the W / e ranks that hold the same ones,
+            and sends tokens to them (`_expert_parallel.py`; needs `compute` with top_k and
+            hidden_size for the all-to-alls).
 
     Returns:
         The Estimate.
@@ -348,56 +385,90 @@ def estimate(
         raise ValueError(f"align_bytes {align_bytes} is not a multiple of param_bytes")
     groups = _check_groups(groups)
 
+    ep = check_count("expert_parallel", expert_parallel, 1)
+    if shard_size % ep:
+        raise ValueError(f"expert_parallel {ep} must divide shard_size {shard_size}")
+    if ep > 1 and (
+        compute_model is None or None in (compute_model.top_k, compute_model.hidden_size)
+    ):
+        raise ValueError(
+            f"expert_parallel={ep} sends tokens to their experts: give compute=ComputeModel("
+            f"tokens_per_rank=..., top_k=..., hidden_size=...) to count the all-to-alls"
+        )
+    original = groups
+    groups_held, is_expert = expert_groups_under_ep(groups, ep)
+    groups = tuple(groups_held)
+    # Per group: the ranks it is sharded over (experts under EP: W / e of them).
+    widths = [shard_size // ep if expert else shard_size for expert in is_expert]
+
     # Repeated layers (equal up to their indices) are planned once: count them.
-    uses: dict[int, int] = {}
-    for group in groups:
-        uses[group.layout_id] = uses.get(group.layout_id, 0) + 1
+    uses: dict[tuple[int, int], int] = {}
+    for group, width in zip(groups, widths, strict=True):
+        uses[group.layout_id, width] = uses.get((group.layout_id, width), 0) + 1
     align = align_bytes // param_bytes
-    planned: dict[int, Layout] = {}
+    planned: dict[tuple[int, int], Layout] = {}
     optimizer_by_rank = [0] * shard_size
-    for group in groups:
-        key = group.layout_id
+    for group, width in zip(groups, widths, strict=True):
+        key = (group.layout_id, width)
         if key in planned:
             continue
-        layout = planned[key] = _plan(group, block_rows, shard_size, align)
+        layout = planned[key] = _plan(group, block_rows, width, align)
         if not allow_idle_ranks:
-            check_blocks_fit(group, layout.tensors, shard_size)
+            check_blocks_fit(group, layout.tensors, width)
         per_rank = _optimizer_per_rank(layout, optimizer, param_bytes)
-        count = uses[key]
+        count, spread = uses[key], shard_size // width  # rank i holds piece i // spread
         optimizer_by_rank = [
-            a + count * b for a, b in zip(optimizer_by_rank, per_rank, strict=True)
+            a + count * per_rank[i // spread] for i, a in enumerate(optimizer_by_rank)
         ]
-    shard_sizes = [planned[g.layout_id].shard_size for g in groups]
+    shard_sizes = [
+        planned[g.layout_id, wg].shard_size for g, wg in zip(groups, widths, strict=True)
+    ]
 
     w, r = shard_size, replicate_size
     total = sum(shard_sizes)
-    numel = sum(g.numel for g in groups)
-    pairs = [a + b for a, b in itertools.pairwise(shard_sizes)] or shard_sizes
-    links = (intra_node_gbps, inter_node_gbps)
-    shard_gbps = links[_crosses_nodes(w, 1, w * r, ranks_per_node)] * 1e9
-    replica_gbps = links[_crosses_nodes(r, w, w * r, ranks_per_node)] * 1e9
-    shard_latency = (latency_us + (w - 1) * hop_latency_us) * 1e-6
+    numel = sum(g.numel for g in original)
+    full = [wg * s for wg, s in zip(widths, shard_sizes, strict=True)]  # a group gathered
+    pairs = [a + b for a, b in itertools.pairwise(full)] or full
+    # Every EP rank pads its own experts' layout: e copies of it cover the model's experts.
+    covered = sum(f * (ep if expert else 1) for f, expert in zip(full, is_expert, strict=True))
+    links = (intra_node_gbps * 1e9, inter_node_gbps * 1e9)
+    replica_gbps = links[_crosses_nodes(r, w, range(w), ranks_per_node)]
     replica_latency = (latency_us + 2 * (r - 1) * hop_latency_us) * 1e-6
     gathers, reduces = [], []
-    for s in shard_sizes:
+    link_of: dict[int, float] = {}  # per group width: the link its collectives run on
+    for wg in set(widths):
+        stride = w // wg  # experts: the ranks holding the same experts, e apart
+        starts = [k * w + j for k in range(r) for j in range(stride)]
+        link_of[wg] = links[_crosses_nodes(wg, stride, starts, ranks_per_node)]
+    for s, wg in zip(shard_sizes, widths, strict=True):
         gather = reduce = 0.0
-        if w > 1:
-            gather = shard_latency + (w - 1) * s * gathered / shard_gbps
-            reduce = shard_latency + (w - 1) * s * grad_bytes / shard_gbps
+        if wg > 1:
+            gbps = link_of[wg]
+            latency = (latency_us + (wg - 1) * hop_latency_us) * 1e-6
+            gather = latency + (wg - 1) * s * gathered / gbps
+            reduce = latency + (wg - 1) * s * grad_bytes / gbps
         if r > 1:
             reduce += replica_latency + 2 * (r - 1) / r * s * grad_bytes / replica_gbps
         gathers.append(gather)
         reduces.append(reduce)
     time = 2 * sum(gathers) + sum(reduces)
     timing: dict[str, float] = {}
+    all_to_all = 0
     if compute_model is not None:
-        params = matmul_params(groups, compute_model.top_k)
+        params = matmul_params(original, compute_model.top_k)
         work = [
             6 * p * compute_model.tokens_per_rank / compute_model.flops_per_second for p in params
         ]
+        a2a_time = 0.0
+        if ep > 1:
+            all_to_all, a2a_time = _all_to_all(
+                compute_model, num_moe_blocks(groups), ep, gathered, w * r, ranks_per_node,
+                links, latency_us, hop_latency_us,
+            )  # fmt: skip
+        time += a2a_time
         timing = {
             "compute_time_s": sum(work),
-            "step_time_s": step_time(work, gathers, reduces),
+            "step_time_s": step_time(work, gathers, reduces) + a2a_time,
             "flops_per_token": 6 * sum(params),
         }
     return Estimate(
@@ -407,15 +478,20 @@ def estimate(
         grad_bytes=total * grad_bytes,
         optimizer_bytes=max(optimizer_by_rank),
         optimizer_bytes_by_rank=tuple(optimizer_by_rank),
-        unsharded_bytes=w * max(shard_sizes) * gathered,
-        prefetch_unsharded_bytes=w * max(pairs) * gathered,
-        reduce_scatter_input_bytes=w * max(shard_sizes) * grad_bytes,
-        all_gather_bytes=2 * (w - 1) * total * gathered,
-        reduce_scatter_bytes=(w - 1) * total * grad_bytes,
+        unsharded_bytes=max(full) * gathered,
+        prefetch_unsharded_bytes=max(pairs) * gathered,
+        reduce_scatter_input_bytes=max(full) * grad_bytes,
+        all_gather_bytes=2
+        * sum((wg - 1) * s for wg, s in zip(widths, shard_sizes, strict=True))
+        * gathered,
+        reduce_scatter_bytes=sum((wg - 1) * s for wg, s in zip(widths, shard_sizes, strict=True))
+        * grad_bytes,
         all_reduce_bytes=total * grad_bytes if r > 1 else 0,
-        padding_elements=w * total - numel,
-        padding_bytes=(w * total - numel) * param_bytes,
+        padding_elements=covered - numel,
+        padding_bytes=(covered - numel) * param_bytes,
         numel=numel,
         comm_time_s=time,
+        expert_parallel=ep,
+        all_to_all_bytes=all_to_all,
         **timing,
     )

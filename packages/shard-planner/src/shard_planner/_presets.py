@@ -55,6 +55,15 @@ class GroupSpec:
     name: str
     entries: tuple[_Entry, ...]
 
+    def __hash__(self) -> int:
+        # Computed once: groups key the planner's caches, and a layer has thousands of
+        # entries to hash.
+        return self._hash
+
+    @functools.cached_property
+    def _hash(self) -> int:
+        return hash((self.name, self.entries))
+
     @classmethod
     def from_shapes(
         cls,
