@@ -90,13 +90,13 @@ def speed(repeats: int) -> None:
 def advise_speed(repeats: int) -> None:
     """`advise` over every (replicate, shard) split, presets loaded fresh each time."""
     print("\n== advise (every split of the ranks; seconds, median and max) ==")
+    # The whole search: splits, expert groupings and EP degrees (priced with 16K tokens per
+    # rank, top-8 routing, DeepSeek-V3's width).
+    compute = ComputeModel(tokens_per_rank=16384, top_k=8, hidden_size=7168)
     for name, ranks, target in (
         ("deepseek-v3-671b", 1024, 3),
         ("synthetic-moe-2.4t", 10240, 10),
     ):
-        # The whole search: splits, expert groupings and EP degrees (priced with 16K
-        # tokens per rank, top-8 routing, DeepSeek-V3's width).
-        compute = ComputeModel(tokens_per_rank=16384, top_k=8, hidden_size=7168)
         med, worst = _timed(
             lambda name=name, ranks=ranks: advise(
                 load_preset(name).groups,
