@@ -12,9 +12,9 @@ only `k = 1`, the experts module alone).
 
 from __future__ import annotations
 
-import functools
 import itertools
 import re
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from shard_planner._presets import GroupSpec, _Entry
@@ -68,27 +68,43 @@ def _split(group: GroupSpec, num_groups: int) -> list[GroupSpec] | None:
     rest, per_expert, fused, owner = classify(group)
     if not per_expert and not fused:
         return [group]
-    head = [GroupSpec(group.name, rest)] if rest else []
+    head = [_known(GroupSpec(group.name, rest), (rest, {}, (), ""))] if rest else []
     if fused:
         if num_groups > 1:
             return None
-        return [*head, GroupSpec(owner, fused)]
+        return [*head, _known(GroupSpec(owner, fused), ((), {}, fused, owner))]
     indices = sorted(per_expert)
     if num_groups > len(indices):
         return None
     chunks = []
     for i in range(num_groups):
         lo, hi = len(indices) * i // num_groups, len(indices) * (i + 1) // num_groups
-        entries = tuple(e for index in indices[lo:hi] for e in per_expert[index])
-        chunks.append(GroupSpec(f"{owner}[{indices[lo]}:{indices[hi - 1] + 1}]", entries))
+        mine = {index: per_expert[index] for index in indices[lo:hi]}
+        entries = tuple(e for experts in mine.values() for e in experts)
+        chunk = GroupSpec(f"{owner}[{indices[lo]}:{indices[hi - 1] + 1}]", entries)
+        chunks.append(_known(chunk, ((), mine, (), owner)))
     return [*head, *chunks]
 
 
-@functools.lru_cache(maxsize=1024)  # advise splits each group at several granularities
-def classify(
-    group: GroupSpec,
-) -> tuple[tuple[_Entry, ...], dict[int, list[_Entry]], tuple[_Entry, ...], str]:
+Classified = tuple[tuple[_Entry, ...], dict[int, list[_Entry]], tuple[_Entry, ...], str]
+# Groups classified, most recent last: the splits of a group are known from it without
+# matching their names again (advise splits every block at several granularities).
+_CLASSIFIED: OrderedDict[GroupSpec, Classified] = OrderedDict()
+_MAX_CLASSIFIED = 8192
+
+
+def _known(group: GroupSpec, classified: Classified) -> GroupSpec:
+    _CLASSIFIED[group] = classified
+    if len(_CLASSIFIED) > _MAX_CLASSIFIED:
+        _CLASSIFIED.popitem(last=False)
+    return group
+
+
+def classify(group: GroupSpec) -> Classified:
     """(other entries, entries per expert index, fused expert entries, experts module)."""
+    known = _CLASSIFIED.get(group)
+    if known is not None:
+        return known
     rest: list[_Entry] = []
     per_expert: dict[int, list[_Entry]] = {}
     fused: list[_Entry] = []
@@ -105,7 +121,8 @@ def classify(
     if per_expert and fused:  # both kinds under one block: keep the fused ones with the rest
         rest += fused
         fused = []
-    return tuple(rest), per_expert, tuple(fused), owner
+    _known(group, (tuple(rest), per_expert, tuple(fused), owner))
+    return _CLASSIFIED[group]
 
 
 def fully_shard_calls(groups: Sequence[GroupSpec], root: str = "model") -> list[str]:
