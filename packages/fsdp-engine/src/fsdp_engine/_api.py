@@ -505,9 +505,7 @@ def _build_group(
         )
         managed.append(ManagedParam(name, found.locations[param], buffer, sharded, parallel))
     subclass_params = [
-        SubclassParam.shard(
-            name, found.locations[param], param, mesh, mesh.ndim - 1, mp_policy, device
-        )
+        SubclassParam.shard(name, found.locations[param], param, mesh, mp_policy, device)
         for param, name in found.subclass.items()
     ]
     group = ParamGroup(managed, mesh, mp_policy, label, subclass_params)

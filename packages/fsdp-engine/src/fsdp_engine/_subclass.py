@@ -80,11 +80,12 @@ class SubclassParam:
         locations: list[Location],
         param: nn.Parameter,
         mesh: DeviceMesh,
-        shard_axis: int,
         mp_policy: MixedPrecisionPolicy,
         device: torch.device,
     ) -> SubclassParam:
         """Cuts this rank's chunk of rows (the subclass's `torch.chunk`) on `device`.
+
+        The group's `mesh` is 1-D, or 2-D (replicate, shard) for HSDP: its last axis shards.
 
         Raises:
             NotImplementedError: `param` requires grad.
@@ -100,6 +101,7 @@ class SubclassParam:
                 f"freeze it (param.requires_grad_(False), as QLoRA's base weights) or make "
                 f"it a plain tensor"
             )
+        shard_axis = mesh.ndim - 1
         shard_mesh = _axis_mesh(mesh, shard_axis, name)
         chunk = _chunk(name, data, shard_mesh, device)
         placements: list[Placement] = [Replicate()] * mesh.ndim

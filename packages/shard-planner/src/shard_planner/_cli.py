@@ -347,6 +347,69 @@ def _levers(model: ModelPreset, args: argparse.Namespace, memory: int) -> list[s
     return lines
 
 
+def _add_cost_options(p: argparse.ArgumentParser) -> None:
+    """The options `estimate` and `advise` share: the model, bytes, links and compute."""
+    p.add_argument("file", nargs="?", help="group file (or use --preset)")
+    p.add_argument("--preset", help=f"one of: {', '.join(preset_names())}")
+    p.add_argument("--ranks-per-node", type=_positive, default=8)
+    p.add_argument("--block-rows", type=_positive, default=1)
+    p.add_argument("--param-bytes", type=_positive, default=4)
+    p.add_argument("--grad-bytes", type=_positive, default=4)
+    p.add_argument("--compute-bytes", type=_positive, help="bytes gathered per element")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    p.add_argument("--intra-node-gbps", type=_positive_float, default=400.0)
+    p.add_argument("--inter-node-gbps", type=_positive_float, default=50.0)
+    p.add_argument("--latency-us", type=_positive_float, default=20.0, help="per collective")
+    p.add_argument("--hop-latency-us", type=_positive_float, default=2.0, help="per ring step")
+    p.add_argument(
+        "--tokens-per-rank",
+        type=_positive,
+        help="tokens per rank per step: adds compute and the step time with overlap",
+    )
+    p.add_argument("--top-k", type=_positive, help="routed experts per token (MoE)")
+    p.add_argument(
+        "--hidden-size",
+        type=_positive,
+        help="activation width sent to experts under EP (default: the preset's)",
+    )
+    p.add_argument("--peak-tflops", type=_positive_float, default=989.0)
+    p.add_argument("--mfu", type=_positive_float, default=0.4)
+    p.add_argument(
+        "--links",
+        help="a calibration file (tools/calibrate_links.py): its fitted link figures "
+        "replace the four above",
+    )
+    p.add_argument("--json", help="also write the result as JSON here")
+
+
+def _add_advise(sub: Any) -> None:
+    adv = sub.add_parser("advise", help="rank every (replicate, shard) split of N ranks")
+    _add_cost_options(adv)
+    adv.add_argument("--ranks", type=_positive, required=True)
+    adv.add_argument("--memory-gb", type=_positive_float, required=True, help="GiB per rank")
+    adv.add_argument("--activation-gb", type=_positive_float, default=0.0)
+    adv.add_argument(
+        "--expert-parallel",
+        type=_count_list,
+        help="EP degrees to try, e.g. 1,8,64 (default: 1, and powers of two up to 64 that "
+        "divide the experts, when --tokens-per-rank and --top-k price the all-to-alls)",
+    )
+    adv.add_argument(
+        "--expert-groups",
+        type=_count_list,
+        help="groups per block's experts to try, e.g. 0 (blocks whole) or 0,2,8 "
+        "(default: 0,1,2,4,8 where the model has experts)",
+    )
+    adv.add_argument(
+        "--min-headroom",
+        type=_positive_float,
+        default=0.1,
+        help="fraction of memory a split should leave free to rank first (default 0.1)",
+    )
+    adv.add_argument("--plot", help="padding and memory vs shard size, PNG (needs matplotlib)")
+    adv.set_defaults(run=_cmd_advise)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="shard-planner",
@@ -395,70 +458,13 @@ def _parser() -> argparse.ArgumentParser:
     common(show)
     show.set_defaults(run=_cmd_show)
 
-    def costs(p: argparse.ArgumentParser) -> None:
-        p.add_argument("file", nargs="?", help="group file (or use --preset)")
-        p.add_argument("--preset", help=f"one of: {', '.join(preset_names())}")
-        p.add_argument("--ranks-per-node", type=_positive, default=8)
-        p.add_argument("--block-rows", type=_positive, default=1)
-        p.add_argument("--param-bytes", type=_positive, default=4)
-        p.add_argument("--grad-bytes", type=_positive, default=4)
-        p.add_argument("--compute-bytes", type=_positive, help="bytes gathered per element")
-        p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
-        p.add_argument("--intra-node-gbps", type=_positive_float, default=400.0)
-        p.add_argument("--inter-node-gbps", type=_positive_float, default=50.0)
-        p.add_argument("--latency-us", type=_positive_float, default=20.0, help="per collective")
-        p.add_argument("--hop-latency-us", type=_positive_float, default=2.0, help="per ring step")
-        p.add_argument(
-            "--tokens-per-rank",
-            type=_positive,
-            help="tokens per rank per step: adds compute and the step time with overlap",
-        )
-        p.add_argument("--top-k", type=_positive, help="routed experts per token (MoE)")
-        p.add_argument(
-            "--hidden-size",
-            type=_positive,
-            help="activation width sent to experts under EP (default: the preset's)",
-        )
-        p.add_argument("--peak-tflops", type=_positive_float, default=989.0)
-        p.add_argument("--mfu", type=_positive_float, default=0.4)
-        p.add_argument(
-            "--links",
-            help="a calibration file (tools/calibrate_links.py): its fitted link figures "
-            "replace the four above",
-        )
-        p.add_argument("--json", help="also write the result as JSON here")
-
     est = sub.add_parser("estimate", help="memory per rank and communication per step")
-    costs(est)
+    _add_cost_options(est)
     est.add_argument("--shard-size", type=_positive, required=True)
     est.add_argument("--replicate-size", type=_positive, default=1)
     est.set_defaults(run=_cmd_estimate)
 
-    adv = sub.add_parser("advise", help="rank every (replicate, shard) split of N ranks")
-    costs(adv)
-    adv.add_argument("--ranks", type=_positive, required=True)
-    adv.add_argument("--memory-gb", type=_positive_float, required=True, help="GiB per rank")
-    adv.add_argument("--activation-gb", type=_positive_float, default=0.0)
-    adv.add_argument(
-        "--expert-parallel",
-        type=_count_list,
-        help="EP degrees to try, e.g. 1,8,64 (default: 1, and powers of two up to 64 that "
-        "divide the experts, when --tokens-per-rank and --top-k price the all-to-alls)",
-    )
-    adv.add_argument(
-        "--expert-groups",
-        type=_count_list,
-        help="groups per block's experts to try, e.g. 0 (blocks whole) or 0,2,8 "
-        "(default: 0,1,2,4,8 where the model has experts)",
-    )
-    adv.add_argument(
-        "--min-headroom",
-        type=_positive_float,
-        default=0.1,
-        help="fraction of memory a split should leave free to rank first (default 0.1)",
-    )
-    adv.add_argument("--plot", help="padding and memory vs shard size, PNG (needs matplotlib)")
-    adv.set_defaults(run=_cmd_advise)
+    _add_advise(sub)
     return parser
 
 

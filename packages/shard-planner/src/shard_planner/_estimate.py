@@ -155,28 +155,108 @@ def _crosses_nodes(
     return any(s // ranks_per_node != (s + span) // ranks_per_node for s in starts)
 
 
-def _all_to_all(
-    model: ComputeModel,
-    num_blocks: int,
-    ep: int,
+@dataclass(frozen=True)
+class _Net:
+    """The link figures: (intra-node, inter-node) bytes per second, latencies, node size."""
+
+    bandwidths: tuple[float, float]
+    latency_us: float
+    hop_latency_us: float
+    ranks_per_node: int
+
+    def ring(self, size: int, stride: int, starts: Sequence[int] | range) -> tuple[float, float]:
+        """(fixed seconds, bytes per second) of a ring over `size` ranks (`_crosses_nodes`)."""
+        crosses = _crosses_nodes(size, stride, starts, self.ranks_per_node)
+        return (self.latency_us + (size - 1) * self.hop_latency_us) * 1e-6, self.bandwidths[crosses]
+
+
+def _collective_times(
+    shard_sizes: Sequence[int],
+    widths: Sequence[int],
+    w: int,
+    r: int,
+    net: _Net,
     gathered: int,
-    num_ranks: int,
-    ranks_per_node: int,
-    links: tuple[float, float],
-    latency_us: float,
-    hop_latency_us: float,
+    grad_bytes: int,
+) -> tuple[list[float], list[float]]:
+    """Per group: one all-gather's time, and its reduce-scatter's plus the HSDP all-reduce's."""
+    replica_latency = (net.latency_us + 2 * (r - 1) * net.hop_latency_us) * 1e-6
+    replica_gbps = net.ring(r, w, range(w))[1]
+    # Per group width, its ring (experts under EP: the ranks holding the same ones, e apart).
+    rings = {
+        wg: net.ring(wg, w // wg, [k * w + j for k in range(r) for j in range(w // wg)])
+        for wg in set(widths)
+    }
+    gathers, reduces = [], []
+    for s, wg in zip(shard_sizes, widths, strict=True):
+        gather = reduce = 0.0
+        if wg > 1:
+            latency, gbps = rings[wg]
+            gather = latency + (wg - 1) * s * gathered / gbps
+            reduce = latency + (wg - 1) * s * grad_bytes / gbps
+        if r > 1:
+            reduce += replica_latency + 2 * (r - 1) / r * s * grad_bytes / replica_gbps
+        gathers.append(gather)
+        reduces.append(reduce)
+    return gathers, reduces
+
+
+def _layouts(
+    groups: Sequence[GroupSpec],
+    widths: Sequence[int],
+    shard_size: int,
+    block_rows: int,
+    align: int,
+    optimizer: str,
+    param_bytes: int,
+    allow_idle_ranks: bool,
+) -> tuple[list[int], list[int]]:
+    """Each group's shard size S_g, and the optimizer state on each shard rank.
+
+    Repeated layers (equal up to their indices) are planned once and counted.
+    """
+    uses: dict[tuple[int, int], int] = {}
+    for group, width in zip(groups, widths, strict=True):
+        uses[group.layout_id, width] = uses.get((group.layout_id, width), 0) + 1
+    planned: dict[tuple[int, int], Layout] = {}
+    optimizer_by_rank = [0] * shard_size
+    for group, width in zip(groups, widths, strict=True):
+        key = (group.layout_id, width)
+        if key in planned:
+            continue
+        layout = planned[key] = _plan(group, block_rows, width, align)
+        if not allow_idle_ranks:
+            check_blocks_fit(group, layout.tensors, width)
+        per_rank = _optimizer_per_rank(layout, optimizer, param_bytes)
+        count, spread = uses[key], shard_size // width  # rank i holds piece i // spread
+        optimizer_by_rank = [
+            a + count * per_rank[i // spread] for i, a in enumerate(optimizer_by_rank)
+        ]
+    sizes = [planned[g.layout_id, wg].shard_size for g, wg in zip(groups, widths, strict=True)]
+    return sizes, optimizer_by_rank
+
+
+def _check_expert_parallel(value: object, shard_size: int, compute: ComputeModel | None) -> int:
+    ep = check_count("expert_parallel", value, 1)
+    if shard_size % ep:
+        raise ValueError(f"expert_parallel {ep} must divide shard_size {shard_size}")
+    if ep > 1 and (compute is None or None in (compute.top_k, compute.hidden_size)):
+        raise ValueError(
+            f"expert_parallel={ep} sends tokens to their experts: give compute=ComputeModel("
+            f"tokens_per_rank=..., top_k=..., hidden_size=...) to count the all-to-alls"
+        )
+    return ep
+
+
+def _all_to_all(
+    model: ComputeModel, num_blocks: int, ep: int, gathered: int, num_ranks: int, net: _Net
 ) -> tuple[int, float]:
     """Bytes one rank sends and the time of a step's expert all-to-alls (`_expert_parallel`)."""
-    if model.hidden_size is None or model.top_k is None:
-        raise ValueError(
-            "expert parallelism sends tokens to their experts: give the compute model's "
-            "top_k and hidden_size (the activations' width)"
-        )
+    assert model.hidden_size is not None and model.top_k is not None  # checked by estimate
     per = model.tokens_per_rank * model.top_k * model.hidden_size * gathered * (ep - 1) // ep
-    gbps = links[_crosses_nodes(ep, 1, range(0, num_ranks, ep), ranks_per_node)]
-    one = (latency_us + (ep - 1) * hop_latency_us) * 1e-6 + per / gbps
+    latency, gbps = net.ring(ep, 1, range(0, num_ranks, ep))
     count = ALL_TO_ALLS_PER_BLOCK * num_blocks
-    return count * per, count * one
+    return count * per, count * (latency + per / gbps)
 
 
 def _check_optimizer(optimizer: str, block_rows: int) -> None:
@@ -385,44 +465,16 @@ def estimate(
         raise ValueError(f"align_bytes {align_bytes} is not a multiple of param_bytes")
     groups = _check_groups(groups)
 
-    ep = check_count("expert_parallel", expert_parallel, 1)
-    if shard_size % ep:
-        raise ValueError(f"expert_parallel {ep} must divide shard_size {shard_size}")
-    if ep > 1 and (
-        compute_model is None or None in (compute_model.top_k, compute_model.hidden_size)
-    ):
-        raise ValueError(
-            f"expert_parallel={ep} sends tokens to their experts: give compute=ComputeModel("
-            f"tokens_per_rank=..., top_k=..., hidden_size=...) to count the all-to-alls"
-        )
+    ep = _check_expert_parallel(expert_parallel, shard_size, compute_model)
     original = groups
     groups_held, is_expert = expert_groups_under_ep(groups, ep)
     groups = tuple(groups_held)
     # Per group: the ranks it is sharded over (experts under EP: W / e of them).
     widths = [shard_size // ep if expert else shard_size for expert in is_expert]
-
-    # Repeated layers (equal up to their indices) are planned once: count them.
-    uses: dict[tuple[int, int], int] = {}
-    for group, width in zip(groups, widths, strict=True):
-        uses[group.layout_id, width] = uses.get((group.layout_id, width), 0) + 1
-    align = align_bytes // param_bytes
-    planned: dict[tuple[int, int], Layout] = {}
-    optimizer_by_rank = [0] * shard_size
-    for group, width in zip(groups, widths, strict=True):
-        key = (group.layout_id, width)
-        if key in planned:
-            continue
-        layout = planned[key] = _plan(group, block_rows, width, align)
-        if not allow_idle_ranks:
-            check_blocks_fit(group, layout.tensors, width)
-        per_rank = _optimizer_per_rank(layout, optimizer, param_bytes)
-        count, spread = uses[key], shard_size // width  # rank i holds piece i // spread
-        optimizer_by_rank = [
-            a + count * per_rank[i // spread] for i, a in enumerate(optimizer_by_rank)
-        ]
-    shard_sizes = [
-        planned[g.layout_id, wg].shard_size for g, wg in zip(groups, widths, strict=True)
-    ]
+    shard_sizes, optimizer_by_rank = _layouts(
+        groups, widths, shard_size, block_rows, align_bytes // param_bytes, optimizer,
+        param_bytes, allow_idle_ranks,
+    )  # fmt: skip
 
     w, r = shard_size, replicate_size
     total = sum(shard_sizes)
@@ -431,26 +483,10 @@ def estimate(
     pairs = [a + b for a, b in itertools.pairwise(full)] or full
     # Every EP rank pads its own experts' layout: e copies of it cover the model's experts.
     covered = sum(f * (ep if expert else 1) for f, expert in zip(full, is_expert, strict=True))
-    links = (intra_node_gbps * 1e9, inter_node_gbps * 1e9)
-    replica_gbps = links[_crosses_nodes(r, w, range(w), ranks_per_node)]
-    replica_latency = (latency_us + 2 * (r - 1) * hop_latency_us) * 1e-6
-    gathers, reduces = [], []
-    link_of: dict[int, float] = {}  # per group width: the link its collectives run on
-    for wg in set(widths):
-        stride = w // wg  # experts: the ranks holding the same experts, e apart
-        starts = [k * w + j for k in range(r) for j in range(stride)]
-        link_of[wg] = links[_crosses_nodes(wg, stride, starts, ranks_per_node)]
-    for s, wg in zip(shard_sizes, widths, strict=True):
-        gather = reduce = 0.0
-        if wg > 1:
-            gbps = link_of[wg]
-            latency = (latency_us + (wg - 1) * hop_latency_us) * 1e-6
-            gather = latency + (wg - 1) * s * gathered / gbps
-            reduce = latency + (wg - 1) * s * grad_bytes / gbps
-        if r > 1:
-            reduce += replica_latency + 2 * (r - 1) / r * s * grad_bytes / replica_gbps
-        gathers.append(gather)
-        reduces.append(reduce)
+    net = _Net(
+        (intra_node_gbps * 1e9, inter_node_gbps * 1e9), latency_us, hop_latency_us, ranks_per_node
+    )
+    gathers, reduces = _collective_times(shard_sizes, widths, w, r, net, gathered, grad_bytes)
     time = 2 * sum(gathers) + sum(reduces)
     timing: dict[str, float] = {}
     all_to_all = 0
@@ -462,9 +498,8 @@ def estimate(
         a2a_time = 0.0
         if ep > 1:
             all_to_all, a2a_time = _all_to_all(
-                compute_model, num_moe_blocks(groups), ep, gathered, w * r, ranks_per_node,
-                links, latency_us, hop_latency_us,
-            )  # fmt: skip
+                compute_model, num_moe_blocks(groups), ep, gathered, w * r, net
+            )
         time += a2a_time
         timing = {
             "compute_time_s": sum(work),
