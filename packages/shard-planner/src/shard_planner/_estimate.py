@@ -392,11 +392,12 @@ def estimate(
       names without embed/head/output) and 2 b_p elsewhere (its AdamW groups); adamw8bit
       2 bytes per element plus 2 x 4 bytes per 32 x 32 block touched for 2-D tensors of at
       least 4096 elements, 2 x 4 bytes per element for the rest;
-    - unsharded: max_g W S_g b_c; with prefetch max_g W (S_g + S_g+1) b_c; reduce-scatter
-      input max_g W S_g b_g; `memory_bytes` sums these with the sharded state.
+    - unsharded: max_g W_g S_g b_c; with prefetch max_g (W_g S_g + W_g+1 S_g+1) b_c;
+      reduce-scatter input max_g W_g S_g b_g; `memory_bytes` sums these with the sharded
+      state. W_g is W, or W / e for a group of experts under expert parallelism e.
     Per step, sent by each rank (what ragged_placement's CommCounter counts; received alike):
-    - all-gather: 2 per group (forward, and backward after resharding): 2 sum_g (W-1) S_g b_c;
-    - reduce-scatter: sum_g (W-1) S_g b_g;
+    - all-gather: 2 per group (forward, and backward after resharding): 2 sum_g (W_g-1) S_g b_c;
+    - reduce-scatter: sum_g (W_g-1) S_g b_g;
     - all-reduce over the replicas (HSDP, R > 1): sum_g S_g b_g.
     Predicted time: each collective is a ring: latency + steps x hop latency + wire bytes /
     bandwidth, with W-1 steps and wire bytes (W-1) S_g b for an all-gather or reduce-scatter,
