@@ -72,6 +72,7 @@ class SubclassParam:
     unsharded: nn.Parameter | None = None  # made at each unshard, dropped at reshard
     _outputs: list[torch.Tensor] | None = None
     _metadata: Any = None
+    _mesh_only: bool | None = None  # fsdp_pre_all_gather's form (read once: inspect is slow)
 
     @classmethod
     def shard(
@@ -222,7 +223,9 @@ class SubclassParam:
     def _pre_all_gather(self, local: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], Any]:
         hook: Any = local.fsdp_pre_all_gather  # type: ignore[attr-defined]
         # FSDP2's two forms: (mesh), and (mesh, outer_size, outer_stride, module, mp_policy).
-        if len(inspect.signature(hook).parameters) == 1:
+        if self._mesh_only is None:
+            self._mesh_only = len(inspect.signature(hook).parameters) == 1
+        if self._mesh_only:
             inputs, metadata = hook(self.shard_mesh)
         else:
             module = self.locations[0][0]

@@ -58,9 +58,8 @@ def has_experts(groups: Sequence[GroupSpec]) -> int:
     """The most experts one group holds (per-expert modules; 1 for fused ones, 0 for none)."""
     most = 0
     for group in groups:
-        indices = {m["index"] for e in group.entries if (m := _PER_EXPERT.match(e.name))}
-        fused = any(_FUSED.match(e.name) for e in group.entries)
-        most = max(most, len(indices) or int(fused))
+        _, per_expert, fused, _ = classify(group)  # one reading of the names (cached)
+        most = max(most, len(per_expert) or int(bool(fused)))
     return most
 
 
