@@ -1,9 +1,11 @@
 """The engine follows a plan from shard_planner.advise: the layout it prints, applied as is.
 
 A small MoE decoder's groups are described from its shapes (as a preset describes a real
-model), `advise` ranks the mesh splits at each group granularity, and the `fully_shard` calls
-it prints for a plan are run on the model. What each rank then holds must equal the plan's
-estimate byte for byte: parameters, gradients, AdamW state, the largest gathered group.
+model), `advise` ranks the mesh splits at each group granularity and expert-parallel degree,
+and the `fully_shard` calls it prints for a plan are run on the model (under expert
+parallelism after the example's `expert_parallel` kept each rank's experts). What each rank
+then holds must equal the plan's estimate byte for byte: parameters, gradients, AdamW state,
+the largest gathered group.
 """
 
 from __future__ import annotations
@@ -14,10 +16,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from model import Config, Decoder, loss_fn
+from parallel import expert_parallel
 from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_engine import FSDPModule, fully_shard
 from shard_planner import Candidate, GroupSpec, advise
+from shard_planner._compute import ComputeModel
+from shard_planner._expert_parallel import expert_groups_under_ep
 from shard_planner._granularity import fully_shard_calls, split_experts
 
 NUM_EXPERTS = 8
@@ -46,13 +51,20 @@ def model_groups(model: Decoder) -> list[GroupSpec]:
 def _apply(candidate: Candidate, groups: list[GroupSpec]) -> tuple[Decoder, list[str]]:
     model = _model()
     replicas, shards = candidate.replicate_size, candidate.shard_size
+    ep = candidate.estimate.expert_parallel
     mesh = init_device_mesh("cpu", (replicas, shards) if replicas > 1 else (shards,))
     grouped = split_experts(groups, candidate.expert_groups)
     assert grouped is not None
-    code = fully_shard_calls(grouped)
-    exec(
-        "\n".join(code), {"model": model, "fully_shard": functools.partial(fully_shard, mesh=mesh)}
-    )
+    scope: dict[str, Any] = {"model": model}
+    if ep > 1:  # as the CLI says: keep this rank's experts over 'ep', shard them over 'dp'
+        assert replicas == 1, "an HSDP mesh under EP is not built here"
+        grid = init_device_mesh("cpu", (shards // ep, ep), mesh_dim_names=("dp", "ep"))
+        expert_parallel(model, grid["ep"])
+        grouped = tuple(expert_groups_under_ep(grouped, ep)[0])
+        scope["experts_mesh"] = grid["dp"]
+    code = fully_shard_calls(grouped, experts_mesh="experts_mesh" if ep > 1 else None)
+    scope["fully_shard"] = functools.partial(fully_shard, mesh=mesh)
+    exec("\n".join(code), scope)
     return model, code
 
 
@@ -66,6 +78,13 @@ def check_engine_follows_advised_plans() -> list[dict[str, Any]]:
         assert candidates and all(c.expert_groups == k for c in candidates)
         for candidate in candidates:
             results.append(_check(candidate, groups))
+    # Expert parallelism of 2 (priced with tokens and top_k), on the one split it allows
+    # here without HSDP: experts held by 2 ranks each, sharded over the other 2.
+    compute = ComputeModel(tokens_per_rank=18, top_k=2, hidden_size=24)
+    candidates = advise(groups, num_ranks=world, ranks_per_node=world, memory_bytes=2**30,
+                        expert_parallel=(2,), compute=compute, min_shard_size=world)  # fmt: skip
+    assert [c.estimate.expert_parallel for c in candidates] == [2], candidates
+    results.append(_check(candidates[0], groups))
     return results
 
 
@@ -82,14 +101,20 @@ def _check(candidate: Candidate, groups: list[GroupSpec]) -> dict[str, Any]:
     # One group per planned group, each one DBuffer (one dtype): as the plan counts them.
     assert len(buffers) == len(split_experts(groups, candidate.expert_groups) or ()), code
     assert sum(b.local.nbytes for b in buffers) == est.param_bytes, (code, est)
-    assert max(b.shard_size for b in buffers) * candidate.shard_size * 4 == est.unsharded_bytes
+    # The largest gather: S x W of a group (W / e for experts under expert parallelism).
+    assert max(b.shard_size * b.layout.world_size for b in buffers) * 4 == est.unsharded_bytes
+    ep = est.expert_parallel
+    if ep > 1:  # the experts' groups gather over the W / e ranks holding the same experts
+        assert sorted({b.layout.world_size for b in buffers}) == [candidate.shard_size // ep,
+                                                                 candidate.shard_size]  # fmt: skip
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = torch.randint(0, 37, (2, 9), generator=torch.Generator().manual_seed(dist.get_rank()))
     # Every expert gets tokens on every rank: an expert group gathers (a collective) when one
     # of its experts runs, so each rank must run each group, as with any FSDP group.
-    slots = torch.arange(tokens.numel() * 2) % NUM_EXPERTS
+    # Under EP a MoE runs the tokens of its whole ep group (gathered before it).
+    slots = torch.arange(tokens.numel() * ep * 2) % NUM_EXPERTS
     for layer in model.layers:
-        layer.mlp.forced_choice = slots.view(tokens.numel(), 2)
+        layer.mlp.forced_choice = slots.view(tokens.numel() * ep, 2)
     loss_fn(model(tokens), tokens).backward()
     opt.step()
     assert sum(b.local_grad.nbytes for b in buffers) == est.grad_bytes
@@ -102,6 +127,7 @@ def _check(candidate: Candidate, groups: list[GroupSpec]) -> dict[str, Any]:
     return {
         "split": (candidate.replicate_size, candidate.shard_size),
         "expert_groups": candidate.expert_groups,
+        "expert_parallel": ep,
         "param_bytes": est.param_bytes,
         "memory_bytes": est.memory_bytes,
     }

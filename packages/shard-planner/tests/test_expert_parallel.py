@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from shard_planner import advise, estimate, load_preset
+from shard_planner import GroupSpec, advise, estimate, load_preset
 from shard_planner._cli import main
 from shard_planner._compute import ComputeModel
 from shard_planner._expert_parallel import expert_groups_under_ep, num_moe_blocks
-from shard_planner._granularity import split_experts
+from shard_planner._granularity import fully_shard_calls, split_experts
 
 COMPUTE = ComputeModel(tokens_per_rank=16384, top_k=8, hidden_size=7168)
 
@@ -29,6 +29,28 @@ def test_each_rank_holds_its_share_of_the_experts() -> None:
         expert_groups_under_ep(load_preset("deepseek-v3-671b").groups, 8)
     with pytest.raises(ValueError, match="does not divide the 256 experts"):
         expert_groups_under_ep(groups, 3)
+
+
+def test_a_rank_numbers_its_experts_from_0_and_shards_them_over_experts_mesh() -> None:
+    layer = GroupSpec.from_shapes("l.0", {"l.0.attn.w": (8, 8)} | {
+        f"l.0.mlp.experts.{e}.w": (4, 8) for e in range(8)})  # fmt: skip
+    split = split_experts([layer], 2)
+    assert split is not None
+    held, is_expert = expert_groups_under_ep(split, 2)
+    assert [g.name for g in held] == ["l.0", "l.0.mlp.experts[0:2]", "l.0.mlp.experts[2:4]"]
+    assert is_expert == [False, True, True]
+    assert [e.name for e in held[2].entries] == ["l.0.mlp.experts.2.w", "l.0.mlp.experts.3.w"]
+    assert "\n".join(fully_shard_calls(held, experts_mesh="experts_mesh")).splitlines() == [
+        "for lo in range(0, 4, 2):",
+        "    fully_shard([model.l[0].mlp.experts[j] for j in range(lo, lo + 2)], "
+        "mesh=experts_mesh)",
+        "fully_shard(model.l[0])",
+        "fully_shard(model)",
+    ]
+    odd = GroupSpec.from_shapes("l.0.mlp.experts[1:3]", {
+        f"l.0.mlp.experts.{e}.w": (4, 8) for e in (1, 2)})  # fmt: skip
+    with pytest.raises(ValueError, match="does not divide the expert range 1:3"):
+        expert_groups_under_ep([odd], 2)
 
 
 def test_ep_shrinks_gathers_and_pays_all_to_alls() -> None:
@@ -66,7 +88,8 @@ def test_the_2_4t_model_at_10240_ranks_gets_an_ep_plan_within_3x_of_compute(caps
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "| 1 | 10 x 1024 | experts apart, EP 64 |" in out
-    assert "expert parallelism of 64: distribute each block's experts over an 'ep' mesh" in out
+    assert "# experts_mesh (10, 16): the ranks holding the same experts" in out
+    assert "for j in range(0, 16)], mesh=experts_mesh)" in out  # 256 / 64 experts, from 0
     assert "note: communication is" not in out  # within 3x: nothing to warn about
 
 

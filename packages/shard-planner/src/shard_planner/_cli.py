@@ -23,6 +23,7 @@ from shard_planner._cost_report import (
     to_json,
 )
 from shard_planner._estimate import OPTIMIZERS, check_blocks_fit, estimate
+from shard_planner._expert_parallel import expert_groups_under_ep
 from shard_planner._granularity import fully_shard_calls, has_experts, split_experts
 from shard_planner._layout import Layout, dump_plan, load_plan
 from shard_planner._links import load_links
@@ -266,11 +267,22 @@ def _cmd_advise(args: argparse.Namespace) -> None:
     if best is not None:
         grouped = split_experts(model.groups, best.expert_groups)
         assert grouped is not None  # advise made it
+        ep = best.estimate.expert_parallel
         print(
             f"layout of the first: mesh ({best.replicate_size}, {best.shard_size}) "
             f"(replicate, shard), block_rows={args.block_rows}, then bottom-up:"
         )
-        print("\n".join(f"    {line}" for line in fully_shard_calls(grouped)))
+        if ep > 1:  # what one rank holds: its 1/e of each block's experts, numbered from 0
+            grouped = tuple(expert_groups_under_ep(grouped, ep)[0])
+            dp = best.shard_size // ep
+            shape = f"({best.replicate_size}, {dp})" if best.replicate_size > 1 else f"({dp},)"
+            print(
+                f"    # experts_mesh {shape}: the ranks holding the same experts, the 'dp' "
+                f"axis of {best.shard_size} shard ranks as ({dp}, {ep}) ('dp', 'ep'); first "
+                f"each block keeps its 1/{ep} of the experts over 'ep' (numbered from 0)"
+            )
+        calls = fully_shard_calls(grouped, experts_mesh="experts_mesh" if ep > 1 else None)
+        print("\n".join(f"    {line}" for line in calls))
         est = best.estimate
         if est.step_time_s and est.comm_time_s > 3 * est.compute_time_s:
             print(
@@ -279,13 +291,6 @@ def _cmd_advise(args: argparse.Namespace) -> None:
                 f"three times per step (two gathers, one reduce), so with this few tokens "
                 f"per rank no mesh split or grouping hides it; more tokens per rank, or "
                 f"expert parallelism (--expert-parallel, priced with --top-k), is the lever"
-            )
-        if best.estimate.expert_parallel > 1:
-            print(
-                f"    (experts: expert parallelism of {best.estimate.expert_parallel}: "
-                f"distribute each block's experts over an 'ep' mesh axis of that size first "
-                f"(Shard(0) on the experts), then shard them over the remaining "
-                f"{best.shard_size // best.estimate.expert_parallel} ranks with the calls above)"
             )
         if best.expert_groups:
             print(

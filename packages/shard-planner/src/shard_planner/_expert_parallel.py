@@ -15,6 +15,7 @@ k expert groups of a block hold E / (e k) experts each.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Sequence
 
 from shard_planner._granularity import classify
@@ -61,8 +62,24 @@ def _share(group: GroupSpec, ep: int) -> GroupSpec:
                 f"expert parallelism of {ep} does not divide the {len(indices)} experts of "
                 f"{group.name!r}"
             )
+        # A rank numbers the experts it holds from 0 (as a ModuleList of its share does):
+        # the chunk [lo:hi] of a block's experts is [lo/e : hi/e] on every rank.
+        lo, hi = indices[0], indices[-1] + 1
+        if lo % ep or hi % ep:
+            raise ValueError(
+                f"expert parallelism of {ep} does not divide the expert range {lo}:{hi} of "
+                f"{group.name!r}"
+            )
         kept = indices[: len(indices) // ep]
-        return GroupSpec(group.name, tuple(e for i in kept for e in per_expert[i]))
+        name = re.sub(r"\[\d+:\d+\]$", f"[{lo // ep}:{hi // ep}]", group.name)
+        return GroupSpec(
+            name,
+            tuple(
+                e._replace(name=e.name.replace(f".experts.{i}.", f".experts.{lo // ep + i - lo}."))
+                for i in kept
+                for e in per_expert[i]
+            ),
+        )
     shrunk = []
     for entry in group.entries:
         assert entry.shape is not None  # fused experts have shapes

@@ -124,7 +124,9 @@ def classify(group: GroupSpec) -> Classified:
     return _CLASSIFIED[group]
 
 
-def fully_shard_calls(groups: Sequence[GroupSpec], root: str = "model") -> list[str]:
+def fully_shard_calls(
+    groups: Sequence[GroupSpec], root: str = "model", *, experts_mesh: str | None = None
+) -> list[str]:
     """Python that makes `groups` with `fully_shard`, bottom-up, repeated blocks as loops.
 
     Tensor names are FQNs under the module `root` names (`model.layers.0.attn.w` is
@@ -133,7 +135,9 @@ def fully_shard_calls(groups: Sequence[GroupSpec], root: str = "model") -> list[
     `[model.norm, lm_head]`); an expert group is the list of its experts, sharded before
     its block; blocks with the same calls up to their index are one `for i in ...` loop.
     The lines run as they are with `root` and `fully_shard` (with its mesh and block_rows
-    bound) in scope.
+    bound) in scope. Under expert parallelism, give the groups one rank holds
+    (`expert_groups_under_ep`) and the name of the mesh of the ranks holding the same experts
+    as `experts_mesh`: the expert groups' calls pass it (`mesh=experts_mesh`).
 
     Example:
         >>> layers = [GroupSpec.from_shapes(f"layers.{i}", {
@@ -148,21 +152,22 @@ def fully_shard_calls(groups: Sequence[GroupSpec], root: str = "model") -> list[
         fully_shard(model)
     """
     blocks: list[tuple[str, str, list[tuple[str, int, int]]]] = []  # name, own call, chunks
+    mesh = f", mesh={experts_mesh}" if experts_mesh else ""
     for group in groups:
         chunk = re.fullmatch(r"(?P<owner>.*\.experts)\[(?P<lo>\d+):(?P<hi>\d+)\]", group.name)
         if chunk and blocks:
             blocks[-1][2].append((chunk["owner"], int(chunk["lo"]), int(chunk["hi"])))
             continue
         modules = [f"{root}.{_path(m)}" for m in _modules(group)]
-        call = f"fully_shard({modules[0] if len(modules) == 1 else '[' + ', '.join(modules) + ']'})"
+        target = modules[0] if len(modules) == 1 else "[" + ", ".join(modules) + "]"
         if group.name.endswith(".experts") and blocks:  # fused experts: sharded before it
-            blocks[-1][2].append((call, -1, -1))
+            blocks[-1][2].append((f"fully_shard({target}{mesh})", -1, -1))
             continue
-        blocks.append((group.name, call, []))
+        blocks.append((group.name, f"fully_shard({target})", []))
     # Blocks with the same calls up to their index form one loop over their indices.
     patterns: dict[tuple[str, ...], list[str]] = {}
     for name, own, chunks in blocks:
-        patterns.setdefault((*_chunk_calls(chunks, root), own), []).append(name)
+        patterns.setdefault((*_chunk_calls(chunks, root, mesh), own), []).append(name)
     lines: list[str] = []
     for calls, names in patterns.items():
         indices = [_index(name) for name in names]
@@ -182,7 +187,7 @@ def fully_shard_calls(groups: Sequence[GroupSpec], root: str = "model") -> list[
     return [*lines, f"fully_shard({root})"]
 
 
-def _chunk_calls(chunks: list[tuple[str, int, int]], root: str) -> list[str]:
+def _chunk_calls(chunks: list[tuple[str, int, int]], root: str, mesh: str) -> list[str]:
     """A block's expert groups: one call each, or one loop when they are equal."""
     if not chunks:
         return []
@@ -195,9 +200,9 @@ def _chunk_calls(chunks: list[tuple[str, int, int]], root: str) -> list[str]:
         (size,) = sizes
         return [
             f"for lo in range({chunks[0][1]}, {chunks[-1][2]}, {size}):\n"
-            f"    fully_shard([{owner}[j] for j in range(lo, lo + {size})])"
+            f"    fully_shard([{owner}[j] for j in range(lo, lo + {size})]{mesh})"
         ]
-    return [f"fully_shard([{owner}[j] for j in range({lo}, {hi})])" for _, lo, hi in chunks]
+    return [f"fully_shard([{owner}[j] for j in range({lo}, {hi})]{mesh})" for _, lo, hi in chunks]
 
 
 def _index(name: str) -> int | None:
