@@ -47,7 +47,9 @@ def test_reshard_frees_exactly_the_global_buffer(mesh: DeviceMesh, no_record_str
     # On one rank an unshard in the buffer's own dtype aliases the local shard (nothing to
     # allocate or free); a bf16 unshard has a buffer of its own, as on many ranks.
     tensors = [("w", torch.randn(1000, 256, device="cuda")), ("b", torch.randn(256, device="cuda"))]
-    buf = DBuffer(tensors, mesh)
+    # Guarded views (check_freed): an unguarded one read while freed is an illegal access,
+    # which would poison this process's CUDA context for every later test.
+    buf = DBuffer(tensors, mesh, check_freed=True)
     before = torch.cuda.memory_allocated()
     buf.unshard().wait()
     assert torch.cuda.memory_allocated() == before  # aliased
