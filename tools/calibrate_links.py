@@ -31,34 +31,36 @@ from torch.multiprocessing.spawn import spawn
 from shard_planner import Links, fit_links
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
 
 
-def _collectives() -> dict[str, Any]:
+def collectives() -> dict[str, Any]:
     # torch 2.13 renamed the single-tensor collectives; older ones have only the old names.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return {"all_gather": gather, "reduce_scatter": scatter}
 
 
-def _rank(
-    rank: int, world: int, port: int, args: argparse.Namespace, out: Any
-) -> None:  # a spawned process
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group(args.backend, rank=rank, world_size=world)
-    device = torch.device("cuda", rank) if args.backend == "nccl" else torch.device("cpu")
+def measure_collectives(
+    sizes_kib: list[int], repeats: int, device: torch.device
+) -> list[dict[str, Any]]:
+    """Times both collectives at each shard size on the initialized default group.
+
+    Returns the calibration records (the slowest rank's median time of each), on every rank.
+    """
+    world = dist.get_world_size()
     results = []
-    for name, collective in _collectives().items():
-        for kib in args.sizes_kib:
+    for name, collective in collectives().items():
+        for kib in sizes_kib:
             numel = kib * 1024 // 4
             shard = torch.ones(numel, device=device)
             full = torch.empty(numel * world, device=device)
             times = []
-            for attempt in range(args.repeats + 2):  # two warm-up runs
+            for attempt in range(repeats + 2):  # two warm-up runs
                 dist.barrier()
                 start = time.perf_counter()
                 if name == "all_gather":
@@ -81,6 +83,16 @@ def _rank(
                     "inter_node": False,
                 }
             )
+    return results
+
+
+def _rank(
+    rank: int, world: int, port: int, args: argparse.Namespace, out: Any
+) -> None:  # a spawned process
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(args.backend, rank=rank, world_size=world)
+    device = torch.device("cuda", rank) if args.backend == "nccl" else torch.device("cpu")
+    results = measure_collectives(args.sizes_kib, args.repeats, device)
     if rank == 0:
         out.put(results)
     dist.barrier()
@@ -92,12 +104,12 @@ def _measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     measurements: list[dict[str, Any]] = []
     for world in args.worlds:
         queue = context.SimpleQueue()
-        spawn(_rank, args=(world, _free_port(), args, queue), nprocs=world)
+        spawn(_rank, args=(world, free_port(), args, queue), nprocs=world)
         measurements += queue.get()
     return measurements
 
 
-def _ints(text: str) -> list[int]:
+def parse_ints(text: str) -> list[int]:
     values = [int(item) for item in text.split(",") if item.strip()]
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
@@ -107,8 +119,8 @@ def _ints(text: str) -> list[int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="calibration JSON to write")
-    parser.add_argument("--worlds", type=_ints, default=[2, 3, 4])
-    parser.add_argument("--sizes-kib", type=_ints, default=[64, 256, 1024, 4096])
+    parser.add_argument("--worlds", type=parse_ints, default=[2, 3, 4])
+    parser.add_argument("--sizes-kib", type=parse_ints, default=[64, 256, 1024, 4096])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--backend", default="gloo")
     args = parser.parse_args()

@@ -10,7 +10,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 src=""
 for p in ragged-placement shard-planner dbuffer fsdp-engine optimizers; do src="$src:packages/$p/src"; done
-export PYTHONPATH="${src#:}:examples"
+export PYTHONPATH="${src#:}:examples:tools"
 nvidia-smi -L
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
 timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests packages 2>&1 | tail -4
@@ -34,3 +34,6 @@ for cfg in "dense:--moe 0" "moe:--moe 64"; do
       | tr "\r" "\n" | grep "ms/step"
   done
 done
+echo "== predicted against measured step, one rank (tools/validate_step.py)"
+timeout 90 python3 tools/validate_step.py --device cuda --worlds 1 --out "$OUT/validate_step.json" \
+  2>&1 | grep -E "^\|"

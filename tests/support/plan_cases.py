@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from model import Config, Decoder, loss_fn
 from parallel import expert_parallel
+from planning import decoder_groups
 from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_engine import FSDPModule, fully_shard
@@ -31,21 +32,6 @@ NUM_EXPERTS = 8
 def _model() -> Decoder:
     torch.manual_seed(0)
     return Decoder(Config(num_experts=NUM_EXPERTS, num_layers=2, dim=24, hidden=40))
-
-
-def model_groups(model: Decoder) -> list[GroupSpec]:
-    """The decoder's groups as FSDP wraps it: embedding, each block, norm with head."""
-    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    layers = [
-        GroupSpec.from_shapes(f"layers.{i}", {n: s for n, s in shapes.items()
-                                              if n.startswith(f"layers.{i}.")})
-        for i in range(len(model.layers))
-    ]  # fmt: skip
-    return [
-        GroupSpec.from_shapes("embed", {"embed.weight": shapes["embed.weight"]}),
-        *layers,
-        GroupSpec.from_shapes("final", {n: shapes[n] for n in ("norm.weight", "head.weight")}),
-    ]
 
 
 def _apply(candidate: Candidate, groups: list[GroupSpec]) -> tuple[Decoder, list[str]]:
@@ -63,14 +49,15 @@ def _apply(candidate: Candidate, groups: list[GroupSpec]) -> tuple[Decoder, list
         grouped = tuple(expert_groups_under_ep(grouped, ep)[0])
         scope["experts_mesh"] = grid["dp"]
     code = fully_shard_calls(grouped, experts_mesh="experts_mesh" if ep > 1 else None)
-    scope["fully_shard"] = functools.partial(fully_shard, mesh=mesh)
+    reshard = candidate.estimate.reshard_after_forward
+    scope["fully_shard"] = functools.partial(fully_shard, mesh=mesh, reshard_after_forward=reshard)
     exec("\n".join(code), scope)
     return model, code
 
 
 def check_engine_follows_advised_plans() -> list[dict[str, Any]]:
     world = dist.get_world_size()
-    groups = model_groups(_model())
+    groups = decoder_groups(_model())
     results = []
     for k in (0, 2):
         candidates = advise(groups, num_ranks=world, ranks_per_node=world, memory_bytes=2**30,
@@ -83,8 +70,8 @@ def check_engine_follows_advised_plans() -> list[dict[str, Any]]:
     compute = ComputeModel(tokens_per_rank=18, top_k=2, hidden_size=24)
     candidates = advise(groups, num_ranks=world, ranks_per_node=world, memory_bytes=2**30,
                         expert_parallel=(2,), compute=compute, min_shard_size=world)  # fmt: skip
-    assert [c.estimate.expert_parallel for c in candidates] == [2], candidates
-    results.append(_check(candidates[0], groups))
+    assert {c.estimate.expert_parallel for c in candidates} == {2}, candidates
+    results += [_check(candidate, groups) for candidate in candidates]
     return results
 
 
@@ -115,7 +102,13 @@ def _check(candidate: Candidate, groups: list[GroupSpec]) -> dict[str, Any]:
     slots = torch.arange(tokens.numel() * ep * 2) % NUM_EXPERTS
     for layer in model.layers:
         layer.mlp.forced_choice = slots.view(tokens.numel() * ep, 2)
-    loss_fn(model(tokens), tokens).backward()
+    loss = loss_fn(model(tokens), tokens)
+    # Between forward and backward: the groups kept gathered (reshard_after_forward=False)
+    # are what the plan counts for that moment.
+    if not est.reshard_after_forward:
+        held = sum(b.shard_size * b.layout.world_size * 4 for b in buffers if b.is_unsharded)
+        assert held == est.prefetch_unsharded_bytes, (held, est.prefetch_unsharded_bytes)
+    loss.backward()
     opt.step()
     assert sum(b.local_grad.nbytes for b in buffers) == est.grad_bytes
     state = sum(
@@ -128,6 +121,7 @@ def _check(candidate: Candidate, groups: list[GroupSpec]) -> dict[str, Any]:
         "split": (candidate.replicate_size, candidate.shard_size),
         "expert_groups": candidate.expert_groups,
         "expert_parallel": ep,
+        "reshard_after_forward": est.reshard_after_forward,
         "param_bytes": est.param_bytes,
         "memory_bytes": est.memory_bytes,
     }

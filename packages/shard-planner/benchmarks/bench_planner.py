@@ -7,9 +7,10 @@ Prints:
    MoE layer with 782 tensors, and synthetic 1,000-tensor groups with mixed blocks), and a
    whole DeepSeek-V3-671B preset at W=1024, every group planned (no caching). Targets: < 0.3 s
    per group and < 2 s per preset, in pure Python.
-2. `advise` over its whole search (mesh splits, expert groupings, EP degrees, with a compute
-   model): DeepSeek-V3-671B at 1024 ranks (< 3 s) and the 2.4T synthetic MoE at 10240 ranks
-   (< 10 s), the preset loaded each time.
+2. `advise` over its whole search (mesh splits, expert groupings, EP degrees, activation
+   checkpointing, reshard_after_forward, fp32 and bf16 reduction, with a compute model):
+   DeepSeek-V3-671B at 1024 ranks (< 3 s) and the 2.4T synthetic MoE at 10240 ranks (< 10 s),
+   the preset loaded each time.
 3. Quality on every preset for W in {8 ... 10240} and block_rows in {1, 16, 32}: worst
    S / lower_bound over the groups, our padding, the lower bound's padding, FSDP2's padding.
 """
@@ -21,8 +22,15 @@ import random
 import statistics
 import time
 
-from shard_planner import TensorSpec, advise, load_preset, plan_layout, preset_names
-from shard_planner._compute import ComputeModel
+from shard_planner import (
+    ActivationModel,
+    ComputeModel,
+    TensorSpec,
+    advise,
+    load_preset,
+    plan_layout,
+    preset_names,
+)
 from shard_planner._report import compare_case, format_table
 
 WORLD_SIZES = (8, 64, 256, 1024, 3072, 8192, 10240)
@@ -90,9 +98,12 @@ def speed(repeats: int) -> None:
 def advise_speed(repeats: int) -> None:
     """`advise` over every (replicate, shard) split, presets loaded fresh each time."""
     print("\n== advise (every split of the ranks; seconds, median and max) ==")
-    # The whole search: splits, expert groupings and EP degrees (priced with 16K tokens per
-    # rank, top-8 routing, DeepSeek-V3's width).
+    # The whole search: splits, expert groupings, EP degrees (priced with 16K tokens per rank,
+    # top-8 routing, DeepSeek-V3's width), with and without activation checkpointing (4096
+    # tokens per sequence, 4 per micro-batch), both reshard_after_forward settings (the
+    # second only where the model fits gathered) and fp32 / bf16 gradient reduction.
     compute = ComputeModel(tokens_per_rank=16384, top_k=8, hidden_size=7168)
+    activations = ActivationModel(seq_len=4096, micro_batch=4, top_k=8)
     for name, ranks, target in (
         ("deepseek-v3-671b", 1024, 3),
         ("synthetic-moe-2.4t", 10240, 10),
@@ -105,6 +116,8 @@ def advise_speed(repeats: int) -> None:
                 memory_bytes=80 * 2**30,
                 compute_bytes=2,
                 compute=compute,
+                activations=activations,
+                reduce_bytes=(4, 2),
             ),
             repeats,
         )

@@ -48,8 +48,19 @@ def test_step_time_overlaps_each_group_with_its_neighbours() -> None:
     est = estimate(groups, shard_size=8, compute=model)
     assert est.flops_per_token == 6 * sum(matmul_params(groups, None))
     assert est.compute_time_s == pytest.approx(est.flops_per_token * 4096 / (989e12 * 0.4))
-    assert est.compute_time_s <= est.step_time_s <= est.compute_time_s + est.comm_time_s
-    assert est.exposed_comm_s == pytest.approx(est.step_time_s - est.compute_time_s)
+    update = est.optimizer_time_s
+    # AdamW streams 2 x params + grads + 2 x state (fp32: 2 + 1 + 4 = 7 x 4 bytes/element).
+    assert update == pytest.approx(7 * est.param_bytes / 3350e9)
+    assert est.compute_time_s + update <= est.step_time_s
+    assert est.step_time_s <= est.compute_time_s + update + est.comm_time_s
+    assert est.exposed_comm_s == pytest.approx(est.step_time_s - est.compute_time_s - update)
+    # No overlap (collectives and compute on the same cores): one after the other, all but
+    # the last group's backward gather (it stays gathered from forward).
+    serial = estimate(groups, shard_size=8, compute=ComputeModel(tokens_per_rank=4096, overlap=0))
+    assert est.step_time_s < serial.step_time_s < est.compute_time_s + update + est.comm_time_s
+    assert step_time([3.0, 3.0], [0.1, 0.1], [0.2, 0.2], overlap=0.5) == pytest.approx(
+        0.1 + 6.0 + 0.2 + 0.5 * (0.1 + 0.1 + 0.2)  # half of what hid (2 gathers, 1 reduce)
+    )
     more = estimate(groups, shard_size=8, compute=ComputeModel(tokens_per_rank=4 * 4096))
     assert more.exposed_comm_s < est.exposed_comm_s  # more compute hides more
 
@@ -61,6 +72,9 @@ def test_step_time_overlaps_each_group_with_its_neighbours() -> None:
         ({"tokens_per_rank": 8, "top_k": 0}, "top_k must be an int >= 1 or None"),
         ({"tokens_per_rank": 8, "mfu": 1.5}, "mfu must be a finite number in"),
         ({"tokens_per_rank": 8, "peak_tflops": float("inf")}, "peak_tflops must be a finite"),
+        ({"tokens_per_rank": 8, "overlap": 1.5}, r"overlap must be a number in \[0, 1\], got 1.5"),
+        ({"tokens_per_rank": 8, "overlap": True}, "overlap must be a number"),
+        ({"tokens_per_rank": 8, "memory_gbps": 0}, "memory_gbps must be a finite number"),
     ],
 )
 def test_bad_compute_models(kwargs, message) -> None:

@@ -13,10 +13,13 @@ Example:
     (256, 256, 256, 241)
 """
 
+from shard_planner._activations import ActivationModel
 from shard_planner._advise import Candidate, advise, factorisations
 from shard_planner._baselines import flat_padding, fsdp2_padding
 from shard_planner._bounds import lower_bound
+from shard_planner._compute import ComputeModel
 from shard_planner._estimate import OPTIMIZERS, Estimate, estimate
+from shard_planner._granularity import fully_shard_calls, split_experts
 from shard_planner._layout import Layout, LayoutError, dump_plan, load_plan
 from shard_planner._links import Links, fit_links, load_links
 from shard_planner._plan import ORDERS, plan_layout
@@ -36,7 +39,9 @@ __version__ = "0.1.0"
 __all__ = [
     "OPTIMIZERS",
     "ORDERS",
+    "ActivationModel",
     "Candidate",
+    "ComputeModel",
     "Estimate",
     "GroupSpec",
     "Layout",
@@ -53,6 +58,7 @@ __all__ = [
     "fit_links",
     "flat_padding",
     "fsdp2_padding",
+    "fully_shard_calls",
     "load_group_file",
     "load_links",
     "load_plan",
@@ -61,4 +67,5 @@ __all__ = [
     "parse_model",
     "plan_layout",
     "preset_names",
+    "split_experts",
 ]

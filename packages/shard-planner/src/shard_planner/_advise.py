@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from shard_planner._activations import ActivationModel
 from shard_planner._compute import ComputeModel
 from shard_planner._estimate import BlockTooLargeError, Estimate, estimate
 from shard_planner._granularity import has_experts, split_experts
@@ -26,6 +29,11 @@ class Candidate:
         headroom: The budget's fraction left free at the peak (negative: over budget).
         expert_groups: Groups each block's experts form (0: the blocks as given;
             `_granularity.split_experts`).
+        optimizer: The optimizer whose state the estimate counts.
+        grad_bytes: Bytes per gradient element, the reduction's dtype (4: fp32, 2: bf16).
+
+    Activation checkpointing and reshard_after_forward are the estimate's
+    (`estimate.checkpointing`, `estimate.reshard_after_forward`).
     """
 
     replicate_size: int
@@ -35,6 +43,8 @@ class Candidate:
     fits: bool = True
     headroom: float = 0.0
     expert_groups: int = 0
+    optimizer: str = "adamw"
+    grad_bytes: int = 4
 
     def __post_init__(self) -> None:
         if self.replicate_size * self.shard_size != self.estimate.num_ranks:
@@ -64,6 +74,10 @@ def advise(
     min_headroom: float = 0.1,
     expert_groups: Sequence[int] | None = None,
     expert_parallel: Sequence[int] | None = None,
+    activations: ActivationModel | None = None,
+    reshard_after_forward: Sequence[bool] | None = None,
+    optimizers: Sequence[str] | None = None,
+    reduce_bytes: Sequence[int] | None = None,
     include_all: bool = False,
     **options: Any,
 ) -> list[Candidate]:
@@ -97,6 +111,13 @@ def advise(
             (k = 1; `estimate`'s expert_parallel). None: 1, and 2 .. 64 (powers of two that
             divide W and the experts) when a `compute` model with top_k and hidden_size
             prices the all-to-alls.
+        activations: The batch a rank runs: each split is tried without and with activation
+            checkpointing of every block (`estimate`'s activations).
+        reshard_after_forward: The settings to try. None: True, and False where the whole
+            model gathered (in the compute dtype) fits beside the sharded state.
+        optimizers: Optimizers to try (None: `options`' optimizer, adamw by default).
+        reduce_bytes: Gradient bytes per element to try, the reduction's dtype (None:
+            `options`' grad_bytes, 4 by default; `[4, 2]` also tries bf16 reduction).
         include_all: Also return the splits that do not fit (`fits=False`), after the
             fitting ones, by memory.
         **options: Passed to `estimate` (param_bytes, grad_bytes, compute_bytes, optimizer,
@@ -130,31 +151,40 @@ def advise(
     out, refused = [], []
     granularities = _granularities(groups, expert_groups)
     degrees = _ep_degrees(groups, expert_parallel, options.get("compute"))
-    # Splits whose sharded state alone exceeds the memory are not estimated (unless all are
-    # asked for): padding and transients only add to it.
-    floor = sum(g.numel for g in groups) * _bytes_per_element(options)
-    for k, grouped, ep in _searched(groups, granularities, degrees):
-        for replicate, shard in factorisations(num_ranks):
+    checkpointing = _checkpointing(activations)
+    choices = _choices(options, optimizers, reduce_bytes)
+    numel = sum(g.numel for g in groups)
+    gathered = options.get("compute_bytes") or options.get("param_bytes", 4)
+    for (k, grouped, ep), acts, choice in itertools.product(
+        _searched(groups, granularities, degrees), checkpointing, choices
+    ):
+        chosen = {**options, **choice}
+        # Splits whose sharded state and activations alone exceed the memory are not
+        # estimated (unless all are asked for): padding and transients only add to them.
+        floor = numel * _bytes_per_element(chosen)
+        act = acts.bytes_for(grouped, compute_bytes=gathered) if acts else 0
+        for (replicate, shard), reshard in itertools.product(
+            factorisations(num_ranks), _reshard_settings(reshard_after_forward)
+        ):
             if shard < min_shard_size or shard % ep:
                 continue
-            if not include_all and floor / shard + activation_bytes > memory_bytes:
+            held = floor / shard + act + activation_bytes + (0 if reshard else numel * gathered)
+            if not include_all and held > memory_bytes:
                 continue
             try:
-                est = estimate(
-                    grouped,
-                    shard_size=shard,
-                    replicate_size=replicate,
-                    ranks_per_node=ranks_per_node,
-                    expert_parallel=ep,
-                    **options,
-                )
+                est = estimate(grouped, shard_size=shard, replicate_size=replicate,
+                               ranks_per_node=ranks_per_node, expert_parallel=ep,
+                               activations=acts, reshard_after_forward=reshard,
+                               **chosen)  # fmt: skip
             except BlockTooLargeError as err:
                 refused.append(err)
                 continue
             peak = est.memory_bytes + activation_bytes
             fits, headroom = peak <= memory_bytes, 1 - peak / memory_bytes
             if fits or include_all:
-                out.append(Candidate(replicate, shard, est, peak, fits, headroom, k))
+                out.append(Candidate(replicate, shard, est, peak, fits, headroom, k,
+                                     chosen.get("optimizer", "adamw"),
+                                     chosen.get("grad_bytes", 4)))  # fmt: skip
     if refused and not out:
         raise refused[0]
     fitting = [c for c in out if c.fits]
@@ -182,6 +212,33 @@ def _granularities(
             )
         out.append((k, grouped))
     return out
+
+
+def _checkpointing(activations: ActivationModel | None) -> list[ActivationModel | None]:
+    if activations is None:
+        return [None]
+    if not isinstance(activations, ActivationModel):
+        raise TypeError(f"activations must be an ActivationModel, got {activations!r}")
+    return [dataclasses.replace(activations, checkpointing=c) for c in (False, True)]
+
+
+def _reshard_settings(given: Sequence[bool] | None) -> Sequence[bool]:
+    if given is None:
+        return (True, False)
+    if not given or not all(isinstance(r, bool) for r in given):
+        raise ValueError(f"reshard_after_forward must be a non-empty list of bools, got {given!r}")
+    return given
+
+
+def _choices(
+    options: dict[str, Any], optimizers: Sequence[str] | None, reduce_bytes: Sequence[int] | None
+) -> list[dict[str, Any]]:
+    """The optimizer / gradient dtype settings to try, as `estimate` options."""
+    names = [options.get("optimizer", "adamw")] if optimizers is None else list(optimizers)
+    sizes = [options.get("grad_bytes", 4)] if reduce_bytes is None else list(reduce_bytes)
+    if not names or not sizes:
+        raise ValueError("optimizers and reduce_bytes need at least one entry each")
+    return [{"optimizer": o, "grad_bytes": b} for o, b in itertools.product(names, sizes)]
 
 
 def _bytes_per_element(options: dict[str, Any]) -> int:
@@ -234,13 +291,17 @@ TIE = 0.01  # predicted times this close (relative) are a tie: the model is not 
 
 
 def _rank(candidates: list[Candidate]) -> list[Candidate]:
-    """Fastest first; among those within `TIE` of the fastest left, the most headroom wins."""
+    """Fastest first; within `TIE` of the fastest left, no recompute, then headroom wins."""
     left = sorted(candidates, key=lambda c: c.estimate.time_s)
     ranked = []
     while left:
         limit = left[0].estimate.time_s * (1 + TIE)
         tied = [c for c in left if c.estimate.time_s <= limit]
-        best = max(tied, key=lambda c: (c.headroom, -c.estimate.padding_elements))
+        # Recomputing forward costs compute a time without a compute model does not show.
+        best = max(
+            tied,
+            key=lambda c: (not c.estimate.checkpointing, c.headroom, -c.estimate.padding_elements),
+        )
         ranked.append(best)
         left.remove(best)
     return ranked

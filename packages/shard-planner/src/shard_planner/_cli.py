@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NoReturn
 
+from shard_planner._activations import ActivationModel
 from shard_planner._advise import Candidate, advise
 from shard_planner._compute import ComputeModel
 from shard_planner._cost_report import (
@@ -73,6 +74,28 @@ def _positive_float(text: str) -> float:
     if not (math.isfinite(value) and value >= 0):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
     return value
+
+
+def _name_list(names: Sequence[str]) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
+        items = [item.strip() for item in text.split(",") if item.strip()]
+        bad = [item for item in items if item not in names]
+        if not items or bad:
+            raise argparse.ArgumentTypeError(
+                f"expected a comma-separated list of {', '.join(names)}, got {text!r}"
+            )
+        return items
+
+    return parse
+
+
+def _dtype_bytes_list(text: str) -> list[int]:
+    sizes = {"fp32": 4, "bf16": 2, "fp16": 2}
+    return [sizes[name] for name in _name_list(tuple(sizes))(text)]
+
+
+def _bool_list(text: str) -> list[bool]:
+    return [name == "true" for name in _name_list(("true", "false"))(text)]
 
 
 def _count_list(text: str) -> list[int]:
@@ -210,9 +233,27 @@ def _cost_options(args: argparse.Namespace) -> dict[str, Any]:
     compute = None
     if args.tokens_per_rank:
         hidden = args.hidden_size or _config_int(args, "hidden_size")
-        compute = ComputeModel(args.tokens_per_rank, args.top_k, args.peak_tflops, args.mfu, hidden)
+        compute = ComputeModel(
+            args.tokens_per_rank,
+            args.top_k,
+            args.peak_tflops,
+            args.mfu,
+            hidden,
+            overlap=args.overlap,
+            memory_gbps=args.memory_gbps,
+        )
+    activations = None
+    if args.seq_len:
+        activations = ActivationModel(
+            args.seq_len,
+            args.micro_batch,
+            args.top_k,
+            checkpointing=getattr(args, "checkpointing", False),
+            scale=args.activation_scale,
+        )
     return {
         "compute": compute,
+        "activations": activations,
         "param_bytes": args.param_bytes,
         "grad_bytes": args.grad_bytes,
         "compute_bytes": args.compute_bytes,
@@ -233,6 +274,7 @@ def _cmd_estimate(args: argparse.Namespace) -> None:
         shard_size=args.shard_size,
         replicate_size=args.replicate_size,
         ranks_per_node=args.ranks_per_node,
+        reshard_after_forward=not args.keep_gathered,
         **_cost_options(args),
     )
     print(f"{model.name}: {model.numel:,} parameters, {len(model.groups)} groups")
@@ -249,7 +291,13 @@ def _cmd_estimate(args: argparse.Namespace) -> None:
 def _cmd_advise(args: argparse.Namespace) -> None:
     model = _load_model(args)
     memory = int(args.memory_gb * 2**30)
-    search = {"expert_groups": args.expert_groups, "expert_parallel": args.expert_parallel}
+    search = {
+        "expert_groups": args.expert_groups,
+        "expert_parallel": args.expert_parallel,
+        "optimizers": args.optimizers,
+        "reduce_bytes": args.reduce_bytes,
+        "reshard_after_forward": args.reshard_after_forward,
+    }
     candidates = _advise(model, args, memory, **search)
     if not candidates:  # nothing fits: every split, for the table and the levers
         candidates = _advise(model, args, memory, include_all=True, **search)
@@ -282,6 +330,10 @@ def _cmd_advise(args: argparse.Namespace) -> None:
                 f"each block keeps its 1/{ep} of the experts over 'ep' (numbered from 0)"
             )
         calls = fully_shard_calls(grouped, experts_mesh="experts_mesh" if ep > 1 else None)
+        if not best.estimate.reshard_after_forward:
+            print("    # every call with reshard_after_forward=False (bound with the mesh)")
+        if best.estimate.checkpointing:
+            print("    # first, activation checkpointing of every block (checkpoint_wrapper)")
         print("\n".join(f"    {line}" for line in calls))
         est = best.estimate
         if est.step_time_s and est.comm_time_s > 3 * est.compute_time_s:
@@ -380,9 +432,26 @@ def _add_cost_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peak-tflops", type=_positive_float, default=989.0)
     p.add_argument("--mfu", type=_positive_float, default=0.4)
     p.add_argument(
+        "--overlap",
+        type=float,
+        default=1.0,
+        help="fraction of a group's collectives that hide behind compute, 0..1",
+    )
+    p.add_argument(
+        "--memory-gbps", type=_positive_float, default=3350.0, help="optimizer update's bandwidth"
+    )
+    p.add_argument(
         "--links",
         help="a calibration file (tools/calibrate_links.py): its fitted link figures "
         "replace the four above",
+    )
+    p.add_argument("--seq-len", type=_positive, help="tokens per sequence: adds activations")
+    p.add_argument("--micro-batch", type=_positive, default=1, help="sequences per micro-batch")
+    p.add_argument(
+        "--activation-scale",
+        type=_positive_float,
+        default=1.0,
+        help="measured activations over the shape count (1: fused kernels)",
     )
     p.add_argument("--json", help="also write the result as JSON here")
 
@@ -410,6 +479,22 @@ def _add_advise(sub: Any) -> None:
         type=_positive_float,
         default=0.1,
         help="fraction of memory a split should leave free to rank first (default 0.1)",
+    )
+    adv.add_argument(
+        "--optimizers",
+        type=_name_list(OPTIMIZERS),
+        help=f"optimizers to try, e.g. adamw,adamw8bit (of {', '.join(OPTIMIZERS)})",
+    )
+    adv.add_argument(
+        "--reduce-dtypes",
+        dest="reduce_bytes",
+        type=_dtype_bytes_list,
+        help="gradient reduction dtypes to try, e.g. fp32,bf16 (default: --grad-bytes)",
+    )
+    adv.add_argument(
+        "--reshard-after-forward",
+        type=_bool_list,
+        help="settings to try, e.g. true (default: true, and false where the model fits gathered)",
     )
     adv.add_argument("--plot", help="padding and memory vs shard size, PNG (needs matplotlib)")
     adv.set_defaults(run=_cmd_advise)
@@ -467,6 +552,14 @@ def _parser() -> argparse.ArgumentParser:
     _add_cost_options(est)
     est.add_argument("--shard-size", type=_positive, required=True)
     est.add_argument("--replicate-size", type=_positive, default=1)
+    est.add_argument(
+        "--checkpointing", action="store_true", help="activation checkpointing of every block"
+    )
+    est.add_argument(
+        "--keep-gathered",
+        action="store_true",
+        help="reshard_after_forward=False: every group stays gathered until backward",
+    )
     est.set_defaults(run=_cmd_estimate)
 
     _add_advise(sub)

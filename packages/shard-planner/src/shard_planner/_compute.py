@@ -9,7 +9,12 @@ Step: FSDP gathers the next group while this one computes, and reduces a group's
 while the one before it runs backward, so per group the slower of its compute and the
 collectives overlapping it counts (the first gather and the last reduce are exposed):
 forward `ag_0 + sum_g max(fwd_g, ag_g+1)`, backward `sum_g max(bwd_g, ag_g-1 + rs_g+1 +
-ar_g+1) + rs_0 + ar_0`, with fwd = 1/3 and bwd = 2/3 of a group's compute.
+ar_g+1) + rs_0 + ar_0`, with fwd = 1/3 and bwd = 2/3 of a group's compute. `max(c, m)` is
+full overlap; where communication slows compute (collectives that need the same cores or
+SMs), `overlap` < 1 counts `c + m - overlap x min(c, m)` (0: one after the other). The
+optimizer's update then streams the rank's parameters, gradients and state through memory:
+`(2 params + grads + 2 state) bytes / memory_gbps` (read all, write parameters and state),
+and `host_overhead_s` adds the host work of a step (hooks, per-tensor dispatch).
 """
 
 from __future__ import annotations
@@ -34,6 +39,14 @@ class ComputeModel:
         peak_tflops: The accelerator's dense peak in the compute dtype (989: H100 bf16).
         mfu: The fraction of peak the model's matmuls reach.
         hidden_size: The width of the activations sent to experts (expert parallelism).
+        overlap: The fraction of the shorter of a group's compute and its collectives that
+            runs at the same time as the other (1: FSDP's full overlap; a calibration
+            measures it, `tools/validate_step.py`).
+        memory_gbps: The memory bandwidth the optimizer update streams at, GB/s (3350:
+            H100 HBM3).
+        host_overhead_s: Host work per step that no FLOP or byte explains (the framework's
+            hooks, the optimizer's per-tensor dispatch), seconds: what a one-rank step
+            takes beyond its compute and update (`tools/validate_step.py` measures it).
 
     Example:
         >>> ComputeModel(tokens_per_rank=8192, mfu=0.5).flops_per_second
@@ -45,6 +58,9 @@ class ComputeModel:
     peak_tflops: float = 989.0
     mfu: float = 0.4
     hidden_size: int | None = None
+    overlap: float = 1.0
+    memory_gbps: float = 3350.0
+    host_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         tokens: object = self.tokens_per_rank  # user input: check what came
@@ -55,13 +71,31 @@ class ComputeModel:
             isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1
         ):
             raise ValueError(f"top_k must be an int >= 1 or None, got {top_k!r}")
-        for name, low, high in (("peak_tflops", 0.0, math.inf), ("mfu", 0.0, 1.0)):
+        for name, low, high in (
+            ("peak_tflops", 0.0, math.inf),
+            ("mfu", 0.0, 1.0),
+            ("memory_gbps", 0.0, math.inf),
+        ):
             value: object = getattr(self, name)
             ok = isinstance(value, int | float) and not isinstance(value, bool)
             if not ok or not low < value <= high or not math.isfinite(value):  # type: ignore[operator, arg-type]
                 raise ValueError(
                     f"{name} must be a finite number in ({low}, {high}], got {value!r}"
                 )
+        overlap: object = self.overlap
+        if (
+            isinstance(overlap, bool)
+            or not isinstance(overlap, int | float)
+            or not (0.0 <= overlap <= 1.0)
+        ):
+            raise ValueError(f"overlap must be a number in [0, 1], got {overlap!r}")
+        host: object = self.host_overhead_s
+        if (
+            isinstance(host, bool)
+            or not isinstance(host, int | float)
+            or not (0.0 <= host < math.inf)
+        ):
+            raise ValueError(f"host_overhead_s must be a finite number >= 0, got {host!r}")
 
     @property
     def flops_per_second(self) -> float:
@@ -82,17 +116,31 @@ def matmul_params(
     Raises:
         ValueError: The model has routed experts and `top_k` is None or above E.
     """
+    share = routed_share(groups, top_k, experts)
+    out = []
+    for group in groups:
+        dense, routed = _matmul_split(group)
+        out.append(dense + routed * share)
+    return out
+
+
+def routed_share(
+    groups: Sequence[GroupSpec], top_k: int | None, experts: int | None = None
+) -> float:
+    """The fraction of a block's routed experts one token runs: top_k / E (0 without experts).
+
+    Raises:
+        ValueError: The model has routed experts and `top_k` is None or above E.
+    """
     num_experts = num_experts_in(groups) if experts is None else experts
-    if num_experts and (top_k is None or top_k > num_experts):
+    if not num_experts:
+        return 0.0
+    if top_k is None or top_k > num_experts:
         raise ValueError(
             f"the model routes tokens to {num_experts} experts: give top_k (how many each "
             f"token runs, 1..{num_experts}), got {top_k!r}"
         )
-    out = []
-    for group in groups:
-        dense, routed = _matmul_split(group)
-        out.append(dense + (routed * (top_k or 0) / num_experts if num_experts else 0.0))
-    return out
+    return top_k / num_experts
 
 
 @functools.lru_cache(maxsize=4096)  # advise asks for every group at every split
@@ -108,6 +156,8 @@ def step_time(
     compute_s: Sequence[float],
     all_gather_s: Sequence[float],
     reduce_s: Sequence[float],
+    overlap: float = 1.0,
+    regather_s: Sequence[float] | None = None,
 ) -> float:
     """The step time with FSDP's overlap (module docstring), groups in forward order.
 
@@ -115,19 +165,31 @@ def step_time(
         compute_s: Each group's forward + backward compute, seconds.
         all_gather_s: Each group's all-gather, seconds (one; it runs twice).
         reduce_s: Each group's reduce-scatter plus HSDP all-reduce, seconds.
+        overlap: How much of the shorter of compute and collectives hides (1: all).
+        regather_s: Each group's all-gather for backward (default: `all_gather_s`; zeros
+            when groups stay gathered after forward).
+
+    Example:
+        >>> step_time([3.0, 3.0], [1.0, 1.0], [1.0, 1.0])  # 1 + (1 + 1) + (2 + 2) + 1
+        8.0
+        >>> step_time([3.0, 3.0], [1.0, 1.0], [1.0, 1.0], overlap=0.0)  # 6 + 5 collectives
+        11.0
     """
     n = len(compute_s)
     if not n:
         return 0.0
+
+    def both(compute: float, comm: float) -> float:
+        return compute + comm - overlap * min(compute, comm)
+
+    regather = all_gather_s if regather_s is None else regather_s
     time = all_gather_s[0]
     for g in range(n):
         following = all_gather_s[g + 1] if g + 1 < n else 0.0
-        time += max(compute_s[g] / 3, following)
+        time += both(compute_s[g] / 3, following)
     for g in reversed(range(n)):
-        overlapped = (all_gather_s[g - 1] if g > 0 else 0.0) + (
-            reduce_s[g + 1] if g + 1 < n else 0.0
-        )
-        time += max(2 * compute_s[g] / 3, overlapped)
+        overlapped = (regather[g - 1] if g > 0 else 0.0) + (reduce_s[g + 1] if g + 1 < n else 0.0)
+        time += both(2 * compute_s[g] / 3, overlapped)
     return time + reduce_s[0]
 
 

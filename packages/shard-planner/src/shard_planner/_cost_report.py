@@ -21,9 +21,21 @@ def format_estimate(est: Estimate) -> str:
         ("gradients per rank", f"{est.grad_bytes / _GIB:.3f} GiB"),
         ("optimizer state per rank (max)", f"{est.optimizer_bytes / _GIB:.3f} GiB"),
         ("largest group unsharded", f"{est.unsharded_bytes / _GIB:.3f} GiB"),
-        ("two adjacent groups unsharded", f"{est.prefetch_unsharded_bytes / _GIB:.3f} GiB"),
+        (
+            "two adjacent groups unsharded"
+            if est.reshard_after_forward
+            else "every group unsharded (kept gathered)",
+            f"{est.prefetch_unsharded_bytes / _GIB:.3f} GiB",
+        ),
         ("reduce-scatter input (largest)", f"{est.reduce_scatter_input_bytes / _GIB:.3f} GiB"),
-        ("peak per rank, no activations", f"{est.memory_bytes / _GIB:.3f} GiB"),
+        (
+            "activations" + (" (checkpointing every block)" if est.checkpointing else ""),
+            f"{est.activation_bytes / _GIB:.3f} GiB",
+        ),
+        (
+            "peak per rank" + ("" if est.activation_bytes else ", no activations"),
+            f"{est.memory_bytes / _GIB:.3f} GiB",
+        ),
         ("all-gather sent per step", f"{est.all_gather_bytes / 1e9:.3f} GB"),
         ("reduce-scatter sent per step", f"{est.reduce_scatter_bytes / 1e9:.3f} GB"),
         ("all-reduce sent per step", f"{est.all_reduce_bytes / 1e9:.3f} GB"),
@@ -34,7 +46,9 @@ def format_estimate(est: Estimate) -> str:
         rows += [
             ("FLOPs per token", f"{est.flops_per_token:.4g}"),
             ("compute per step", f"{est.compute_time_s:.3f} s"),
+            ("optimizer update", f"{est.optimizer_time_s:.3f} s"),
             ("step, collectives overlapped", f"{est.step_time_s:.3f} s"),
+            ("host work per step", f"{est.host_s:.3f} s"),
             ("exposed communication", f"{est.exposed_comm_s:.3f} s"),
         ]
     width = max(len(k) for k, _ in rows)
@@ -55,7 +69,7 @@ def format_candidates(candidates: Sequence[Candidate], memory_bytes: int) -> str
         times = f"{est.step_time_s:.3f} | {est.compute_time_s:.3f} | " if timed else ""
         lines.append(
             f"| {i if c.fits else '-'} | {c.replicate_size} x {c.shard_size} | "
-            f"{granularity_name(c.expert_groups, est.expert_parallel)} | {times}"
+            f"{plan_name(c)} | {times}"
             f"{est.comm_time_s:.3f} | {100 * est.padding_ratio:.2f}% | "
             f"{c.memory_bytes / _GIB:.1f} | {100 * c.headroom:.0f}% | "
             f"{'yes' if c.fits else 'no'} |"
@@ -70,6 +84,21 @@ def format_candidates(candidates: Sequence[Candidate], memory_bytes: int) -> str
             f"{least.estimate.unsharded_bytes / _GIB:.1f} GiB unsharded"
         )
     return "\n".join(lines)
+
+
+def plan_name(candidate: Candidate) -> str:
+    """The grouping and every setting that differs from FSDP's defaults and AdamW in fp32."""
+    est = candidate.estimate
+    parts = [granularity_name(candidate.expert_groups, est.expert_parallel)]
+    if est.checkpointing:
+        parts.append("AC")
+    if not est.reshard_after_forward:
+        parts.append("kept gathered")
+    if candidate.optimizer != "adamw":
+        parts.append(candidate.optimizer)
+    if candidate.grad_bytes != 4:
+        parts.append(f"{8 * candidate.grad_bytes}-bit reduce")
+    return ", ".join(parts)
 
 
 def granularity_name(expert_groups: int, expert_parallel: int = 1) -> str:

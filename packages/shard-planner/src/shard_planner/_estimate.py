@@ -12,12 +12,14 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from shard_planner._activations import RECOMPUTE, ActivationModel
 from shard_planner._compute import ComputeModel, matmul_params, step_time
 from shard_planner._expert_parallel import (
     ALL_TO_ALLS_PER_BLOCK,
     expert_groups_under_ep,
     num_moe_blocks,
 )
+from shard_planner._granularity import block_index
 from shard_planner._layout import Layout
 from shard_planner._plan import plan_layout
 from shard_planner._presets import GroupSpec
@@ -58,6 +60,11 @@ class Estimate:
     flops_per_token: float = 0.0
     expert_parallel: int = 1
     all_to_all_bytes: int = 0
+    optimizer_time_s: float = 0.0
+    host_s: float = 0.0
+    activation_bytes: int = 0
+    checkpointing: bool = False
+    reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         for name in ("shard_size", "replicate_size"):
@@ -72,8 +79,10 @@ class Estimate:
 
     @property
     def exposed_comm_s(self) -> float:
-        """Communication the compute does not hide (step time minus compute)."""
-        return self.step_time_s - self.compute_time_s if self.step_time_s else self.comm_time_s
+        """Communication the compute does not hide (step time minus compute, update, host)."""
+        if not self.step_time_s:
+            return self.comm_time_s
+        return self.step_time_s - self.compute_time_s - self.optimizer_time_s - self.host_s
 
     @property
     def num_ranks(self) -> int:
@@ -87,13 +96,15 @@ class Estimate:
 
     @property
     def memory_bytes(self) -> int:
-        """Peak per rank, activations excluded: sharded state plus the step's transients.
+        """Peak per rank: sharded state plus the step's transients and the activations.
 
         param + grad + optimizer + prefetch_unsharded (two adjacent groups gathered) +
-        reduce_scatter_input (the largest group's unsharded gradients).
+        reduce_scatter_input (the largest group's unsharded gradients) + activation (0
+        unless an `ActivationModel` was given).
         """
         return (
-            self.param_bytes
+            self.activation_bytes
+            + self.param_bytes
             + self.grad_bytes
             + self.optimizer_bytes
             + self.prefetch_unsharded_bytes
@@ -379,6 +390,8 @@ def estimate(
     allow_idle_ranks: bool = False,
     compute: ComputeModel | None = None,
     expert_parallel: int = 1,
+    activations: ActivationModel | None = None,
+    reshard_after_forward: bool = True,
 ) -> Estimate:
     """Memory per rank and communication per step of FSDP over `shard_size` ranks (x replicas).
 
@@ -392,11 +405,14 @@ def estimate(
       names without embed/head/output) and 2 b_p elsewhere (its AdamW groups); adamw8bit
       2 bytes per element plus 2 x 4 bytes per 32 x 32 block touched for 2-D tensors of at
       least 4096 elements, 2 x 4 bytes per element for the rest;
-    - unsharded: max_g W_g S_g b_c; with prefetch max_g (W_g S_g + W_g+1 S_g+1) b_c;
-      reduce-scatter input max_g W_g S_g b_g; `memory_bytes` sums these with the sharded
-      state. W_g is W, or W / e for a group of experts under expert parallelism e.
+    - unsharded: max_g W_g S_g b_c; with prefetch max_g (W_g S_g + W_g+1 S_g+1) b_c (without
+      reshard_after_forward every group stays gathered from forward to backward: sum_g);
+      reduce-scatter input max_g W_g S_g b_g; activations (`activations`, `_activations.py`);
+      `memory_bytes` sums these with the sharded state. W_g is W, or W / e for a group of
+      experts under expert parallelism e.
     Per step, sent by each rank (what ragged_placement's CommCounter counts; received alike):
-    - all-gather: 2 per group (forward, and backward after resharding): 2 sum_g (W_g-1) S_g b_c;
+    - all-gather: 2 per group (forward, and backward after resharding): 2 sum_g (W_g-1) S_g b_c
+      (1 per group without reshard_after_forward);
     - reduce-scatter: sum_g (W_g-1) S_g b_g;
     - all-reduce over the replicas (HSDP, R > 1): sum_g S_g b_g.
     Predicted time: each collective is a ring: latency + steps x hop latency + wire bytes /
@@ -407,7 +423,8 @@ def estimate(
     ranks), else inter-node: a group that straddles two nodes runs at the slower link.
     `comm_time_s` sums them (no overlap: an upper bound on exposed communication); with
     `compute`, `step_time_s` overlaps each group's collectives with its neighbours' compute
-    (`_compute.py`) and `exposed_comm_s` is what compute does not hide.
+    and adds the optimizer update (`optimizer_time_s`; both in `_compute.py`), and
+    `exposed_comm_s` is what compute does not hide.
 
     Args:
         groups: The model's FSDP groups (e.g. `load_preset(name).groups`).
@@ -433,6 +450,10 @@ def estimate(
             1/e of a block's experts, sharded over the W / e ranks that hold the same ones,
             and sends tokens to them (`_expert_parallel.py`; needs `compute` with top_k and
             hidden_size for the all-to-alls).
+        activations: The batch a rank runs: adds the activations it keeps (with activation
+            checkpointing of every block: their inputs, and forward computed twice).
+        reshard_after_forward: Free each group after forward and gather it again for
+            backward (FSDP's default); False keeps every group gathered in between.
 
     Returns:
         The Estimate.
@@ -465,6 +486,10 @@ def estimate(
     if align_bytes % param_bytes:
         raise ValueError(f"align_bytes {align_bytes} is not a multiple of param_bytes")
     groups = _check_groups(groups)
+    if activations is not None and not isinstance(activations, ActivationModel):
+        raise TypeError(f"activations must be an ActivationModel, got {activations!r}")
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
 
     ep = _check_expert_parallel(expert_parallel, shard_size, compute_model)
     original = groups
@@ -482,19 +507,29 @@ def estimate(
     numel = sum(g.numel for g in original)
     full = [wg * s for wg, s in zip(widths, shard_sizes, strict=True)]  # a group gathered
     pairs = [a + b for a, b in itertools.pairwise(full)] or full
+    if not reshard_after_forward:  # every group gathered at the end of forward
+        pairs = [sum(full)]
+    gathers_per_group = 2 if reshard_after_forward else 1
     # Every EP rank pads its own experts' layout: e copies of it cover the model's experts.
     covered = sum(f * (ep if expert else 1) for f, expert in zip(full, is_expert, strict=True))
     net = _Net(
         (intra_node_gbps * 1e9, inter_node_gbps * 1e9), latency_us, hop_latency_us, ranks_per_node
     )
     gathers, reduces = _collective_times(shard_sizes, widths, w, r, net, gathered, grad_bytes)
-    time = 2 * sum(gathers) + sum(reduces)
+    time = gathers_per_group * sum(gathers) + sum(reduces)
     timing: dict[str, float] = {}
     all_to_all = 0
+    checkpointing = activations is not None and activations.checkpointing
     if compute_model is not None:
         params = matmul_params(original, compute_model.top_k)
         work = [
-            6 * p * compute_model.tokens_per_rank / compute_model.flops_per_second for p in params
+            6
+            * p
+            * compute_model.tokens_per_rank
+            / compute_model.flops_per_second
+            # A checkpointed block runs its forward again in backward.
+            * (RECOMPUTE if checkpointing and block_index(g.name) is not None else 1.0)
+            for p, g in zip(params, original, strict=True)
         ]
         a2a_time = 0.0
         if ep > 1:
@@ -502,10 +537,17 @@ def estimate(
                 compute_model, num_moe_blocks(groups), ep, gathered, w * r, net
             )
         time += a2a_time
+        # The update reads parameters, gradients and state, and writes parameters and state.
+        streamed = 2 * total * param_bytes + total * grad_bytes + 2 * max(optimizer_by_rank)
+        update = streamed / (compute_model.memory_gbps * 1e9)
+        regather = gathers if reshard_after_forward else [0.0] * len(gathers)
+        overlapped = step_time(work, gathers, reduces, compute_model.overlap, regather)
         timing = {
             "compute_time_s": sum(work),
-            "step_time_s": step_time(work, gathers, reduces) + a2a_time,
+            "step_time_s": overlapped + a2a_time + update + compute_model.host_overhead_s,
             "flops_per_token": 6 * sum(params),
+            "optimizer_time_s": update,
+            "host_s": compute_model.host_overhead_s,
         }
     return Estimate(
         shard_size=w,
@@ -517,7 +559,7 @@ def estimate(
         unsharded_bytes=max(full) * gathered,
         prefetch_unsharded_bytes=max(pairs) * gathered,
         reduce_scatter_input_bytes=max(full) * grad_bytes,
-        all_gather_bytes=2
+        all_gather_bytes=gathers_per_group
         * sum((wg - 1) * s for wg, s in zip(widths, shard_sizes, strict=True))
         * gathered,
         reduce_scatter_bytes=sum((wg - 1) * s for wg, s in zip(widths, shard_sizes, strict=True))
@@ -529,5 +571,9 @@ def estimate(
         comm_time_s=time,
         expert_parallel=ep,
         all_to_all_bytes=all_to_all,
+        activation_bytes=0 if activations is None else activations.bytes_for(
+            original, compute_bytes=gathered),
+        checkpointing=checkpointing,
+        reshard_after_forward=reshard_after_forward,
         **timing,
-    )
+    )  # fmt: skip

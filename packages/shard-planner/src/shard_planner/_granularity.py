@@ -170,7 +170,7 @@ def fully_shard_calls(
         patterns.setdefault((*_chunk_calls(chunks, root, mesh), own), []).append(name)
     lines: list[str] = []
     for calls, names in patterns.items():
-        indices = [_index(name) for name in names]
+        indices = [block_index(name) for name in names]
         if len(names) == 1:
             index = indices[0]
             lines += [c if index is None else c.replace("[i]", f"[{index}]") for c in calls]
@@ -205,8 +205,8 @@ def _chunk_calls(chunks: list[tuple[str, int, int]], root: str, mesh: str) -> li
     return [f"fully_shard([{owner}[j] for j in range({lo}, {hi})]{mesh})" for _, lo, hi in chunks]
 
 
-def _index(name: str) -> int | None:
-    """The block index in a group name (`model.layers.7` -> 7), if it has one."""
+def block_index(name: str) -> int | None:
+    """The block index in a group name (`model.layers.7`, `layers.7.mlp.experts[0:4]` -> 7)."""
     found = re.findall(r"\.(\d+)(?=\.|$)", name)
     return int(found[-1]) if found else None
 

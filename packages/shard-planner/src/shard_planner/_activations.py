@@ -1,0 +1,141 @@
+"""Activation memory per rank from the model's shapes, with and without checkpointing.
+
+What backward needs from forward, per token, read off each group's tensors:
+- a weight matrix (a matmul: `out x in`, embeddings aside) keeps its input and its output
+  (`in + out`: the output is what the next elementwise op, an activation function, a gate
+  product, attention, saves); routed experts count `top_k` of the model's experts;
+- a 1-D weight (a norm's scale) keeps the norm's input (its length);
+- an embedding keeps its output row (its width).
+A SwiGLU MLP of width f on hidden size h comes to 3h + 3f against the h + 4f it saves in
+torch, attention with fused q/k/v to 6h (queries, keys, values, the attention output and the
+two inputs); attention scores are not kept (flash / memory-efficient attention), and the
+logits count as the head's output, in the compute dtype (a loss that upcasts them to fp32
+doubles that part). That is what fused kernels keep; code written op by op (a norm as pow,
+mean, rsqrt and two products, rotary as slices and products) keeps more: `scale` multiplies
+the count by the ratio measured on the model's own code (the example decoder of the source
+repository: 1.25 dense, 1.28 MoE).
+
+One micro-batch's activations are alive at once (`seq_len x micro_batch` tokens): gradient
+accumulation frees each before the next. With activation checkpointing on every block (a
+group named with a block index, `layers.7`, and the expert groups split off it), a block keeps
+only its input (its hidden size, the longest 1-D tensor it holds) and the largest block's
+activations are alive again while its backward recomputes them; the forward runs twice for
+those blocks (compute x 4/3).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from shard_planner._compute import routed_share
+from shard_planner._granularity import block_index, classify
+from shard_planner._presets import GroupSpec
+from shard_planner._spec import check_count
+
+RECOMPUTE = 4 / 3  # a checkpointed block's compute: forward (1/3) again before backward (2/3)
+
+
+@dataclass(frozen=True)
+class ActivationModel:
+    """The batch one rank runs, for the activations it keeps.
+
+    Attributes:
+        seq_len: Tokens per sequence.
+        micro_batch: Sequences per micro-batch (one micro-batch's activations are alive).
+        top_k: Routed experts each token runs (needed when the model has experts).
+        checkpointing: Activation checkpointing of every block.
+        scale: Measured activations over this count for the model's kernels (1: fused).
+
+    Example:
+        >>> layer = GroupSpec.from_shapes("layers.0", {"layers.0.norm.weight": (64,),
+        ...                                            "layers.0.mlp.w1.weight": (256, 64)})
+        >>> ActivationModel(seq_len=1024).bytes_for([layer], compute_bytes=2)  # (64+64+256) x 2 B
+        786432
+    """
+
+    seq_len: int
+    micro_batch: int = 1
+    top_k: int | None = None
+    checkpointing: bool = False
+    scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_count("seq_len", self.seq_len, 1)
+        check_count("micro_batch", self.micro_batch, 1)
+        if self.top_k is not None:
+            check_count("top_k", self.top_k, 1)
+        if not isinstance(self.checkpointing, bool):
+            raise TypeError(f"checkpointing must be a bool, got {self.checkpointing!r}")
+        scale: object = self.scale
+        if isinstance(scale, bool) or not isinstance(scale, int | float) or not 0 < scale < 1e6:
+            raise ValueError(f"scale must be a positive number, got {scale!r}")
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of one micro-batch."""
+        return self.seq_len * self.micro_batch
+
+    def bytes_for(self, groups: Sequence[GroupSpec], *, compute_bytes: int) -> int:
+        """Peak activation bytes of one micro-batch over `groups` (module docstring)."""
+        share = routed_share(groups, self.top_k)
+        scaled, unscaled = _per_token(tuple(groups), share, self.checkpointing)
+        return round(self.tokens * (scaled * self.scale + unscaled) * compute_bytes)
+
+
+@functools.lru_cache(maxsize=256)  # advise asks at every split: the same groups
+def _per_token(
+    groups: tuple[GroupSpec, ...], share: float, checkpointing: bool
+) -> tuple[float, int]:
+    """(elements per token the kernels keep, block inputs kept whole) at the peak."""
+    kept = [_kept_per_token(g, share) for g in groups]
+    if not checkpointing:
+        return sum(kept), 0
+    blocks: dict[int, float] = {}  # block index -> its activations per token
+    inputs: dict[int, int] = {}  # block index -> its input width
+    rest = 0.0
+    for group, per_token in zip(groups, kept, strict=True):
+        index = block_index(group.name)
+        if index is None:
+            rest += per_token
+            continue
+        blocks[index] = blocks.get(index, 0.0) + per_token
+        inputs[index] = max(inputs.get(index, 0), _input_width(group))
+    # The largest block is alive again while its backward recomputes it; a block's input is
+    # one tensor whatever its kernels (not scaled).
+    return rest + max(blocks.values(), default=0.0), sum(inputs.values())
+
+
+@functools.lru_cache(maxsize=4096)  # advise asks for every group at every split
+def _kept_per_token(group: GroupSpec, share: float) -> float:
+    rest, per_expert, fused, _ = classify(group)
+    kept = float(sum(_kept(e.name, e.shape, e.numel) for e in rest))
+    routed = sum(_kept(e.name, e.shape, e.numel) for es in per_expert.values() for e in es)
+    # A fused expert tensor (E, out, in) is E matmuls.
+    routed += sum(
+        e.shape[0] * _kept(e.name, e.shape[1:], e.numel // e.shape[0]) if e.shape else 0
+        for e in fused
+    )
+    return kept + share * routed
+
+
+def _kept(name: str, shape: tuple[int, ...] | None, numel: int) -> int:
+    if shape is None:  # a group file without shapes: a flat tensor, as a 1-D one
+        return 0
+    if "embed" in name:
+        return shape[-1] if len(shape) == 2 else 0
+    if len(shape) == 1:
+        return shape[0]
+    if len(shape) == 2:
+        return shape[0] + shape[1]
+    return 0  # convolutions and the like: not modelled
+
+
+@functools.lru_cache(maxsize=4096)
+def _input_width(group: GroupSpec) -> int:
+    widths = [e.shape[0] for e in group.entries if e.shape is not None and len(e.shape) == 1]
+    if widths:
+        return max(widths)
+    matrices = [e.shape for e in group.entries if e.shape is not None and len(e.shape) == 2]
+    return matrices[0][1] if matrices else 0

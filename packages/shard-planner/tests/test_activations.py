@@ -1,0 +1,167 @@
+"""Activation memory from shapes: what backward keeps, with and without checkpointing."""
+
+from __future__ import annotations
+
+import pytest
+
+from shard_planner import (
+    ActivationModel,
+    ComputeModel,
+    GroupSpec,
+    advise,
+    estimate,
+    load_preset,
+)
+
+H, F, V, E = 64, 176, 100, 4  # hidden, MLP width, vocabulary, experts
+
+
+def _model(experts: int = 0) -> list[GroupSpec]:
+    def block(i: int) -> GroupSpec:
+        p = f"layers.{i}"
+        shapes = {f"{p}.attn_norm.weight": (H,), f"{p}.attn.wqkv.weight": (3 * H, H),
+                  f"{p}.attn.wo.weight": (H, H), f"{p}.mlp_norm.weight": (H,)}  # fmt: skip
+        if experts:
+            shapes[f"{p}.mlp.router.weight"] = (experts, H)
+            for e in range(experts):
+                for name, shape in (("w1", (F, H)), ("w3", (F, H)), ("w2", (H, F))):
+                    shapes[f"{p}.mlp.experts.{e}.{name}.weight"] = shape
+        else:
+            for name, shape in (("w1", (F, H)), ("w3", (F, H)), ("w2", (H, F))):
+                shapes[f"{p}.mlp.{name}.weight"] = shape
+        return GroupSpec.from_shapes(p, shapes)
+
+    return [
+        GroupSpec.from_shapes("embed", {"embed.weight": (V, H)}),
+        block(0),
+        block(1),
+        GroupSpec.from_shapes("final", {"norm.weight": (H,), "head.weight": (V, H)}),
+    ]
+
+
+# Per token: norms 2H, q/k/v in + out 4H, wo 2H, MLP 3 x (H + F); embedding H; final norm H
+# and the head's input and logits H + V.
+BLOCK = 2 * H + 4 * H + 2 * H + 3 * (H + F)
+REST = H + H + (H + V)
+
+
+def test_each_matmul_keeps_its_input_and_output_and_a_norm_its_input() -> None:
+    acts = ActivationModel(seq_len=32, micro_batch=2)
+    assert acts.bytes_for(_model(), compute_bytes=2) == 64 * (2 * BLOCK + REST) * 2
+    # Routed experts: top_k of E per token, plus the router's input and logits.
+    moe = ActivationModel(seq_len=32, micro_batch=2, top_k=2)
+    routed = (H + E) + 2 / E * E * 3 * (H + F)
+    block = BLOCK - 3 * (H + F)
+    assert moe.bytes_for(_model(E), compute_bytes=2) == round(
+        64 * (2 * (block + routed) + REST) * 2
+    )
+    with pytest.raises(ValueError, match="routes tokens to 4 experts: give top_k"):
+        ActivationModel(seq_len=32).bytes_for(_model(E), compute_bytes=2)
+
+
+def test_checkpointing_keeps_block_inputs_and_recomputes_one_block() -> None:
+    acts = ActivationModel(seq_len=32, micro_batch=2, checkpointing=True)
+    assert acts.bytes_for(_model(), compute_bytes=2) == 64 * (REST + 2 * H + BLOCK) * 2
+    scaled = ActivationModel(seq_len=32, micro_batch=2, checkpointing=True, scale=1.5)
+    assert scaled.bytes_for(_model(), compute_bytes=2) == 64 * (1.5 * (REST + BLOCK) + 2 * H) * 2
+
+
+def test_estimate_counts_activations_and_recompute() -> None:
+    groups = load_preset("llama3-8b").groups
+    plain = estimate(groups, shard_size=8, compute_bytes=2)
+    acts = ActivationModel(seq_len=8192)
+    full = estimate(groups, shard_size=8, compute_bytes=2, activations=acts)
+    assert full.activation_bytes == acts.bytes_for(groups, compute_bytes=2)
+    assert full.memory_bytes == plain.memory_bytes + full.activation_bytes
+    ac = estimate(groups, shard_size=8, compute_bytes=2,
+                  activations=ActivationModel(seq_len=8192, checkpointing=True))  # fmt: skip
+    assert ac.checkpointing and ac.activation_bytes < full.activation_bytes / 5
+    compute = ComputeModel(tokens_per_rank=8192)
+    timed = estimate(groups, shard_size=8, compute=compute, activations=acts)
+    recomputed = estimate(groups, shard_size=8, compute=compute, activations=ActivationModel(
+        seq_len=8192, checkpointing=True))  # fmt: skip
+    # 32 blocks run forward twice; the embedding and head do not.
+    assert timed.compute_time_s < recomputed.compute_time_s < timed.compute_time_s * 4 / 3
+
+
+def test_advise_checkpoints_only_when_the_activations_do_not_fit() -> None:
+    groups = load_preset("llama3-8b").groups
+    memory = 80 * 2**30
+    short = advise(groups, num_ranks=64, ranks_per_node=8, memory_bytes=memory,
+                   compute_bytes=2, activations=ActivationModel(seq_len=2048))  # fmt: skip
+    assert not short[0].estimate.checkpointing  # fits without: recomputing only costs
+    # 32K tokens: 184 GiB of activations without checkpointing, 22 GiB with.
+    long = advise(groups, num_ranks=64, ranks_per_node=8, memory_bytes=memory,
+                  compute_bytes=2, activations=ActivationModel(seq_len=32768))  # fmt: skip
+    assert long and all(c.estimate.checkpointing for c in long)
+    every = advise(groups, num_ranks=64, ranks_per_node=8, memory_bytes=memory, compute_bytes=2,
+                   activations=ActivationModel(seq_len=32768), include_all=True)  # fmt: skip
+    assert not any(c.fits for c in every if not c.estimate.checkpointing)
+
+
+def test_advise_searches_resharding_optimizers_and_reduce_dtypes() -> None:
+    groups = load_preset("llama3-8b").groups
+    ranked = advise(groups, num_ranks=16, ranks_per_node=8, memory_bytes=80 * 2**30,
+                    compute_bytes=2, block_rows=32, optimizers=["adamw", "adamw8bit"],
+                    reduce_bytes=[4, 2], include_all=True)  # fmt: skip
+    seen = {(c.optimizer, c.grad_bytes, c.estimate.reshard_after_forward) for c in ranked}
+    assert seen == {(o, b, r) for o in ("adamw", "adamw8bit") for b in (4, 2)
+                    for r in (True, False)}  # fmt: skip
+    one = {(c.shard_size, c.optimizer, c.grad_bytes): c for c in ranked
+           if c.estimate.reshard_after_forward and c.replicate_size == 1}  # fmt: skip
+    assert (
+        one[16, "adamw8bit", 4].estimate.optimizer_bytes
+        < one[16, "adamw", 4].estimate.optimizer_bytes
+    )
+    assert one[16, "adamw", 2].estimate.reduce_scatter_bytes * 2 == (
+        one[16, "adamw", 4].estimate.reduce_scatter_bytes
+    )
+    # Kept gathered after forward: one all-gather per group instead of two, every group held.
+    kept = next(c for c in ranked if not c.estimate.reshard_after_forward)
+    again = next(c for c in ranked if c.estimate.reshard_after_forward
+                 and (c.shard_size, c.optimizer, c.grad_bytes)
+                 == (kept.shard_size, kept.optimizer, kept.grad_bytes))  # fmt: skip
+    assert kept.estimate.all_gather_bytes * 2 == again.estimate.all_gather_bytes
+    assert kept.estimate.prefetch_unsharded_bytes > 10 * again.estimate.prefetch_unsharded_bytes
+    # A model too large to keep gathered is not tried so (70B in bf16 is 140 GB).
+    big = advise(load_preset("llama3-70b").groups, num_ranks=128, ranks_per_node=8,
+                 memory_bytes=80 * 2**30, compute_bytes=2)  # fmt: skip
+    assert all(c.estimate.reshard_after_forward for c in big)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"seq_len": 0}, ValueError, "seq_len must be"),
+        ({"seq_len": 8, "micro_batch": 0}, ValueError, "micro_batch must be"),
+        ({"seq_len": 8, "checkpointing": 1}, TypeError, "checkpointing must be a bool"),
+        ({"seq_len": 8, "scale": 0}, ValueError, "scale must be a positive number, got 0"),
+    ],
+)
+def test_bad_activation_models(kwargs, error, message) -> None:
+    with pytest.raises(error, match=message):
+        ActivationModel(**kwargs)
+
+
+def test_command_line_prices_activations_and_searches_the_settings(capsys) -> None:
+    from shard_planner._cli import main
+
+    argv = ["advise", "--preset", "llama3-8b", "--ranks", "64", "--memory-gb", "80",
+            "--compute-bytes", "2", "--seq-len", "32768", "--reduce-dtypes", "fp32,bf16",
+            "--optimizers", "adamw,adamw8bit", "--block-rows", "32"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| 1 | " in out and "blocks, AC" in out and "16-bit reduce" in out
+    assert "# first, activation checkpointing of every block" in out
+    assert main(["estimate", "--preset", "llama3-8b", "--shard-size", "8", "--seq-len", "8192",
+                 "--checkpointing", "--keep-gathered"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "activations (checkpointing every block)" in out
+    assert "every group unsharded (kept gathered)" in out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["advise", "--preset", "llama3-8b", "--ranks", "8", "--memory-gb", "80",
+              "--reduce-dtypes", "fp8"])  # fmt: skip
+    assert exit_info.value.code == 2
+    assert (
+        "expected a comma-separated list of fp32, bf16, fp16, got 'fp8'" in capsys.readouterr().err
+    )
