@@ -86,3 +86,26 @@ def test_unreadable_calibration_file(tmp_path) -> None:
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(ValueError, match="not valid JSON"):
         load_links(tmp_path / "bad.json")
+
+
+def test_rails_spread_node_crossing_rings_over_the_nodes_nics() -> None:
+    # One GPT-OSS-120B layer over 64 ranks on 8 nodes: a bf16 all-gather brings each node
+    # 63/64 of 6.4 GB. One NIC per hop: 50 GB/s; the node's 8 NICs: 400 GB/s (the NVLink
+    # figure caps it).
+    layer = [g for g in load_preset("gpt-oss-120b").groups if g.name == "model.layers.0"]
+    links = {"intra_node_gbps": 400.0, "inter_node_gbps": 50.0, "latency_us": 0.0,
+             "hop_latency_us": 0.0}  # fmt: skip
+    one = estimate(layer, shard_size=64, compute_bytes=2, ranks_per_node=8, **links)
+    eight = estimate(layer, shard_size=64, compute_bytes=2, ranks_per_node=8, rails=8, **links)
+    sixteen = estimate(layer, shard_size=64, compute_bytes=2, ranks_per_node=8, rails=16, **links)
+    assert one.comm_time_s == pytest.approx(8 * eight.comm_time_s)
+    assert sixteen.comm_time_s == eight.comm_time_s  # capped at the intra-node figure
+    gather = eight.all_gather_bytes / 2  # one all-gather, sent by each rank
+    assert eight.comm_time_s == pytest.approx((2 * gather + eight.reduce_scatter_bytes) / 400e9)
+    # Replica groups (HSDP over nodes) hold one rank per node: one NIC whatever the rails.
+    hsdp = {"shard_size": 8, "replicate_size": 8, "compute_bytes": 2, "ranks_per_node": 8}
+    base = estimate(layer, **hsdp, **links)
+    railed = estimate(layer, **hsdp, rails=8, **links)
+    assert railed.comm_time_s == base.comm_time_s
+    with pytest.raises(ValueError, match="rails must be"):
+        estimate(layer, shard_size=8, rails=0)

@@ -263,6 +263,7 @@ def _cost_options(args: argparse.Namespace) -> dict[str, Any]:
         "inter_node_gbps": args.inter_node_gbps,
         "latency_us": args.latency_us,
         "hop_latency_us": args.hop_latency_us,
+        "rails": args.rails,
         **links,
     }
 
@@ -418,6 +419,12 @@ def _add_cost_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inter-node-gbps", type=_positive_float, default=50.0)
     p.add_argument("--latency-us", type=_positive_float, default=20.0, help="per collective")
     p.add_argument("--hop-latency-us", type=_positive_float, default=2.0, help="per ring step")
+    p.add_argument(
+        "--rails",
+        type=_positive,
+        default=1,
+        help="NICs per node a collective spreads over (8: one per GPU of an 8-GPU node)",
+    )
     p.add_argument(
         "--tokens-per-rank",
         type=_positive,

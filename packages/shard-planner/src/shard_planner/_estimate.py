@@ -168,17 +168,27 @@ def _crosses_nodes(
 
 @dataclass(frozen=True)
 class _Net:
-    """The link figures: (intra-node, inter-node) bytes per second, latencies, node size."""
+    """The link figures: (intra, inter-node) bytes per second, latencies, node size, rails."""
 
     bandwidths: tuple[float, float]
     latency_us: float
     hop_latency_us: float
     ranks_per_node: int
+    rails: int = 1
 
     def ring(self, size: int, stride: int, starts: Sequence[int] | range) -> tuple[float, float]:
-        """(fixed seconds, bytes per second) of a ring over `size` ranks (`_crosses_nodes`)."""
-        crosses = _crosses_nodes(size, stride, starts, self.ranks_per_node)
-        return (self.latency_us + (size - 1) * self.hop_latency_us) * 1e-6, self.bandwidths[crosses]
+        """(fixed seconds, bytes per second) of a ring over `size` ranks (`_crosses_nodes`).
+
+        A ring that crosses nodes runs its node-to-node hops over as many rails as the group
+        has ranks on a node (NCCL's channels, one per NIC), up to `rails`: `inter x rails`
+        per step, never above the intra-node figure.
+        """
+        fixed = (self.latency_us + (size - 1) * self.hop_latency_us) * 1e-6
+        intra, inter = self.bandwidths
+        if not _crosses_nodes(size, stride, starts, self.ranks_per_node):
+            return fixed, intra
+        on_a_node = max(1, min(size, self.ranks_per_node // stride))
+        return fixed, min(intra, inter * min(self.rails, on_a_node))
 
 
 def _collective_times(
@@ -387,6 +397,7 @@ def estimate(
     inter_node_gbps: float = 50.0,
     latency_us: float = 20.0,
     hop_latency_us: float = 2.0,
+    rails: int = 1,
     allow_idle_ranks: bool = False,
     compute: ComputeModel | None = None,
     expert_parallel: int = 1,
@@ -439,9 +450,12 @@ def estimate(
         align_bytes: Each shard starts at a multiple of this many bytes.
         ranks_per_node: Ranks sharing a node's fast links.
         intra_node_gbps: Per-rank bandwidth inside a node, GB/s.
-        inter_node_gbps: Per-rank bandwidth between nodes, GB/s.
+        inter_node_gbps: Per-rank bandwidth between nodes (one NIC), GB/s.
         latency_us: Fixed cost of one collective (launch and synchronization), microseconds.
         hop_latency_us: Cost of each of a ring's steps beyond its bytes, microseconds.
+        rails: NICs per node a collective spreads its node-to-node hops over (NCCL's
+            channels on a rail-optimized node: 8 on an 8-GPU node with a NIC per GPU; 1:
+            each ring's hop through one rank's NIC).
         allow_idle_ranks: Accept a group with fewer blocks than W (some ranks then hold only
             padding, as a DBuffer does for a small group); by default that is an error.
         compute: Tokens per rank and the accelerator's speed: adds the compute time, the
@@ -513,7 +527,11 @@ def estimate(
     # Every EP rank pads its own experts' layout: e copies of it cover the model's experts.
     covered = sum(f * (ep if expert else 1) for f, expert in zip(full, is_expert, strict=True))
     net = _Net(
-        (intra_node_gbps * 1e9, inter_node_gbps * 1e9), latency_us, hop_latency_us, ranks_per_node
+        (intra_node_gbps * 1e9, inter_node_gbps * 1e9),
+        latency_us,
+        hop_latency_us,
+        ranks_per_node,
+        check_count("rails", rails, 1),
     )
     gathers, reduces = _collective_times(shard_sizes, widths, w, r, net, gathered, grad_bytes)
     time = gathers_per_group * sum(gathers) + sum(reduces)
