@@ -69,7 +69,8 @@ def check_engine_follows_advised_plans() -> list[dict[str, Any]]:
     # here without HSDP: experts held by 2 ranks each, sharded over the other 2.
     compute = ComputeModel(tokens_per_rank=18, top_k=2, hidden_size=24)
     candidates = advise(groups, num_ranks=world, ranks_per_node=world, memory_bytes=2**30,
-                        expert_parallel=(2,), compute=compute, min_shard_size=world)  # fmt: skip
+                        expert_parallel=(2,), compute=compute, min_shard_size=world,
+                        prefetch=(1,))  # fmt: skip
     assert {c.estimate.expert_parallel for c in candidates} == {2}, candidates
     results += [_check(candidate, groups) for candidate in candidates]
     return results

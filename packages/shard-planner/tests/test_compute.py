@@ -92,3 +92,26 @@ def test_advise_ranks_by_step_time_and_says_when_communication_dominates(capsys)
     out = capsys.readouterr().out
     assert "| step s | compute s | comm s/step |" in out
     assert "note: communication is" in out and "expert parallelism" in out
+
+
+def test_a_deeper_prefetch_hides_a_large_gather_behind_several_groups() -> None:
+    # Group 2's gather (3 s) is longer than group 1's compute: with one group ahead it shows;
+    # two ahead, it starts during group 0 and hides behind groups 0 and 1.
+    compute, gathers, reduces = [6.0] * 4, [0.1, 0.1, 3.0, 0.1], [0.1] * 4
+    one = step_time(compute, gathers, reduces)
+    two = step_time(compute, gathers, reduces, prefetch=2)
+    assert two < one
+    # Forward with one ahead: 0.1 + 2 + max(2, 3) + 2 + 2; two ahead: 0.1 + 8 (all hidden).
+    assert one - two == pytest.approx(1.0)
+    # Without overlap the depth changes nothing: everything runs one after the other.
+    assert step_time(compute, gathers, reduces, overlap=0.0, prefetch=2) == pytest.approx(
+        step_time(compute, gathers, reduces, overlap=0.0)
+    )
+    groups = load_preset("llama3-8b").groups
+    deep = estimate(groups, shard_size=8, prefetch=2)
+    base = estimate(groups, shard_size=8)
+    # Three adjacent groups gathered at once instead of two (32 equal layers: 3/2 as much).
+    assert deep.prefetch_unsharded_bytes > base.prefetch_unsharded_bytes
+    assert deep.all_gather_bytes == base.all_gather_bytes
+    with pytest.raises(ValueError, match="prefetch must be"):
+        estimate(groups, shard_size=8, prefetch=0)

@@ -107,8 +107,19 @@ def _per_token(
     return rest + max(blocks.values(), default=0.0), sum(inputs.values())
 
 
-@functools.lru_cache(maxsize=4096)  # advise asks for every group at every split
 def _kept_per_token(group: GroupSpec, share: float) -> float:
+    # Kept by layout (names without indices, shapes): repeated layers count once.
+    key = (group.layout_id, share)
+    known = _KEPT.get(key)
+    if known is None:
+        known = _KEPT[key] = _count_kept(group, share)
+    return known
+
+
+_KEPT: dict[tuple[int, float], float] = {}
+
+
+def _count_kept(group: GroupSpec, share: float) -> float:
     rest, per_expert, fused, _ = classify(group)
     kept = float(sum(_kept(e.name, e.shape, e.numel) for e in rest))
     routed = sum(_kept(e.name, e.shape, e.numel) for es in per_expert.values() for e in es)

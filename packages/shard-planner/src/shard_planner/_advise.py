@@ -78,6 +78,7 @@ def advise(
     reshard_after_forward: Sequence[bool] | None = None,
     optimizers: Sequence[str] | None = None,
     reduce_bytes: Sequence[int] | None = None,
+    prefetch: Sequence[int] | None = None,
     include_all: bool = False,
     **options: Any,
 ) -> list[Candidate]:
@@ -118,6 +119,8 @@ def advise(
         optimizers: Optimizers to try (None: `options`' optimizer, adamw by default).
         reduce_bytes: Gradient bytes per element to try, the reduction's dtype (None:
             `options`' grad_bytes, 4 by default; `[4, 2]` also tries bf16 reduction).
+        prefetch: Prefetch depths to try (None: 1, and 2 with a `compute` model, where a
+            deeper prefetch can hide a large group's gather behind several small ones).
         include_all: Also return the splits that do not fit (`fits=False`), after the
             fitting ones, by memory.
         **options: Passed to `estimate` (param_bytes, grad_bytes, compute_bytes, optimizer,
@@ -163,9 +166,13 @@ def advise(
         # estimated (unless all are asked for): padding and transients only add to them.
         floor = numel * _bytes_per_element(chosen)
         act = acts.bytes_for(grouped, compute_bytes=gathered) if acts else 0
-        for (replicate, shard), reshard in itertools.product(
-            factorisations(num_ranks), _reshard_settings(reshard_after_forward)
+        for (replicate, shard), reshard, depth in itertools.product(
+            factorisations(num_ranks),
+            _reshard_settings(reshard_after_forward),
+            _depths(prefetch, options.get("compute")),
         ):
+            if depth > 1 and not reshard:
+                continue  # every group is gathered already
             if shard < min_shard_size or shard % ep:
                 continue
             held = floor / shard + act + activation_bytes + (0 if reshard else numel * gathered)
@@ -174,7 +181,7 @@ def advise(
             try:
                 est = estimate(grouped, shard_size=shard, replicate_size=replicate,
                                ranks_per_node=ranks_per_node, expert_parallel=ep,
-                               activations=acts, reshard_after_forward=reshard,
+                               activations=acts, reshard_after_forward=reshard, prefetch=depth,
                                **chosen)  # fmt: skip
             except BlockTooLargeError as err:
                 refused.append(err)
@@ -220,6 +227,12 @@ def _checkpointing(activations: ActivationModel | None) -> list[ActivationModel 
     if not isinstance(activations, ActivationModel):
         raise TypeError(f"activations must be an ActivationModel, got {activations!r}")
     return [dataclasses.replace(activations, checkpointing=c) for c in (False, True)]
+
+
+def _depths(given: Sequence[int] | None, compute: object) -> Sequence[int]:
+    if given is None:
+        return (1, 2) if compute is not None else (1,)
+    return [check_count("prefetch entry", d, 1) for d in given] or [1]
 
 
 def _reshard_settings(given: Sequence[bool] | None) -> Sequence[bool]:

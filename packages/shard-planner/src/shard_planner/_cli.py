@@ -298,6 +298,7 @@ def _cmd_advise(args: argparse.Namespace) -> None:
         "optimizers": args.optimizers,
         "reduce_bytes": args.reduce_bytes,
         "reshard_after_forward": args.reshard_after_forward,
+        "prefetch": args.prefetch,
     }
     candidates = _advise(model, args, memory, **search)
     if not candidates:  # nothing fits: every split, for the table and the levers
@@ -335,6 +336,11 @@ def _cmd_advise(args: argparse.Namespace) -> None:
             print("    # every call with reshard_after_forward=False (bound with the mesh)")
         if best.estimate.checkpointing:
             print("    # first, activation checkpointing of every block (checkpoint_wrapper)")
+        if best.estimate.prefetch > 1:
+            print(
+                f"    # then each group prefetches the next {best.estimate.prefetch}: "
+                f"set_modules_to_forward_prefetch / set_modules_to_backward_prefetch"
+            )
         print("\n".join(f"    {line}" for line in calls))
         est = best.estimate
         if est.step_time_s and est.comm_time_s > 3 * est.compute_time_s:
@@ -502,6 +508,11 @@ def _add_advise(sub: Any) -> None:
         "--reshard-after-forward",
         type=_bool_list,
         help="settings to try, e.g. true (default: true, and false where the model fits gathered)",
+    )
+    adv.add_argument(
+        "--prefetch",
+        type=_count_list,
+        help="prefetch depths to try, e.g. 1,2 (default: 1, and 2 with --tokens-per-rank)",
     )
     adv.add_argument("--plot", help="padding and memory vs shard size, PNG (needs matplotlib)")
     adv.set_defaults(run=_cmd_advise)

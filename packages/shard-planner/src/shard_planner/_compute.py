@@ -6,15 +6,17 @@ embeddings (a lookup), and over routed experts only `top_k` of the model's exper
 scores (which grow with the sequence) are not counted. Time: FLOPs / (peak x MFU).
 
 Step: FSDP gathers the next group while this one computes, and reduces a group's gradients
-while the one before it runs backward, so per group the slower of its compute and the
-collectives overlapping it counts (the first gather and the last reduce are exposed):
-forward `ag_0 + sum_g max(fwd_g, ag_g+1)`, backward `sum_g max(bwd_g, ag_g-1 + rs_g+1 +
-ar_g+1) + rs_0 + ar_0`, with fwd = 1/3 and bwd = 2/3 of a group's compute. `max(c, m)` is
-full overlap; where communication slows compute (collectives that need the same cores or
-SMs), `overlap` < 1 counts `c + m - overlap x min(c, m)` (0: one after the other). The
-optimizer's update then streams the rank's parameters, gradients and state through memory:
-`(2 params + grads + 2 state) bytes / memory_gbps` (read all, write parameters and state),
-and `host_overhead_s` adds the host work of a step (hooks, per-tensor dispatch).
+while the one before it runs backward. `step_time` runs the two streams: forward
+(1/3 of a group's compute) waits for the group's gather, which starts once the group
+`prefetch` before it has started (1: FSDP's default, so per group the slower of its forward
+and the next gather counts: `ag_0 + sum_g max(fwd_g, ag_g+1)`); backward (2/3) runs the groups
+in reverse, gathering each again `prefetch` ahead and reducing each as it ends (the first
+gather and the last reduce are exposed). That is full overlap; where communication slows
+compute (collectives that need the same cores or SMs), `overlap` < 1 shows that share of
+what the streams hid (0: one after the other). The optimizer's update then streams the
+rank's parameters, gradients and state through memory: `(2 params + grads + 2 state) bytes /
+memory_gbps` (read all, write parameters and state), and `host_overhead_s` adds the host
+work of a step (hooks, per-tensor dispatch).
 """
 
 from __future__ import annotations
@@ -143,9 +145,21 @@ def routed_share(
     return top_k / num_experts
 
 
-@functools.lru_cache(maxsize=4096)  # advise asks for every group at every split
 def _matmul_split(group: GroupSpec) -> tuple[int, int]:
-    """(matrix parameters every token runs, matrix parameters of routed experts)."""
+    """(matrix parameters every token runs, matrix parameters of routed experts).
+
+    Kept by layout (names without indices, shapes): repeated layers count once.
+    """
+    known = _SPLITS.get(group.layout_id)
+    if known is None:
+        known = _SPLITS[group.layout_id] = _count_matmuls(group)
+    return known
+
+
+_SPLITS: dict[int, tuple[int, int]] = {}
+
+
+def _count_matmuls(group: GroupSpec) -> tuple[int, int]:
     rest, per_expert, fused, _ = classify(group)
     dense = sum(e.numel for e in rest if _is_matmul(e))
     routed = sum(e.numel for entries in per_expert.values() for e in entries if _is_matmul(e))
@@ -158,8 +172,15 @@ def step_time(
     reduce_s: Sequence[float],
     overlap: float = 1.0,
     regather_s: Sequence[float] | None = None,
+    prefetch: int = 1,
 ) -> float:
     """The step time with FSDP's overlap (module docstring), groups in forward order.
+
+    Compute and collectives run on two streams: group g's forward starts when its gather is
+    done, and a gather may start once the group `prefetch` before it has started computing
+    (at most `prefetch` + 1 groups gathered in forward); backward runs the groups in reverse,
+    gathering each again `prefetch` groups ahead (the last group stays gathered) and reducing
+    each when its backward ends. With `overlap` < 1, that share of what the streams hid shows.
 
     Args:
         compute_s: Each group's forward + backward compute, seconds.
@@ -168,6 +189,7 @@ def step_time(
         overlap: How much of the shorter of compute and collectives hides (1: all).
         regather_s: Each group's all-gather for backward (default: `all_gather_s`; zeros
             when groups stay gathered after forward).
+        prefetch: Groups gathered ahead of the one computing (FSDP's default: 1).
 
     Example:
         >>> step_time([3.0, 3.0], [1.0, 1.0], [1.0, 1.0])  # 1 + (1 + 1) + (2 + 2) + 1
@@ -178,19 +200,45 @@ def step_time(
     n = len(compute_s)
     if not n:
         return 0.0
-
-    def both(compute: float, comm: float) -> float:
-        return compute + comm - overlap * min(compute, comm)
-
-    regather = all_gather_s if regather_s is None else regather_s
-    time = all_gather_s[0]
-    for g in range(n):
-        following = all_gather_s[g + 1] if g + 1 < n else 0.0
-        time += both(compute_s[g] / 3, following)
+    regather = list(all_gather_s if regather_s is None else regather_s)
+    regather[-1] = 0.0  # the last group's backward runs on its forward gather
+    streams = _Streams()
+    started: list[float] = []
+    for g in range(n):  # forward
+        ahead = started[g - prefetch] if g >= prefetch else 0.0
+        gathered = streams.communicate(ahead, all_gather_s[g])
+        started.append(streams.compute(gathered, compute_s[g] / 3))
+    done = [0.0] * n  # when each group's backward gather ends
+    for k in range(n - 2, max(-1, n - 2 - prefetch), -1):  # gathered as backward begins
+        done[k] = streams.communicate(streams.compute_free, regather[k])
     for g in reversed(range(n)):
-        overlapped = (regather[g - 1] if g > 0 else 0.0) + (reduce_s[g + 1] if g + 1 < n else 0.0)
-        time += both(2 * compute_s[g] / 3, overlapped)
-    return time + reduce_s[0]
+        start = streams.compute(done[g], 2 * compute_s[g] / 3)
+        k = g - prefetch
+        if g < n - 1 and k >= 0:
+            done[k] = streams.communicate(start, regather[k])
+        streams.communicate(streams.compute_free, reduce_s[g])
+    both = max(streams.compute_free, streams.comm_free)
+    total = sum(compute_s) + sum(all_gather_s) + sum(regather) + sum(reduce_s)
+    return total - overlap * (total - both)
+
+
+class _Streams:
+    """A compute stream and a communication stream, each running its work in order."""
+
+    def __init__(self) -> None:
+        self.compute_free = 0.0
+        self.comm_free = 0.0
+
+    def compute(self, ready: float, seconds: float) -> float:
+        """Runs `seconds` of compute once `ready`; returns when it started."""
+        start = max(self.compute_free, ready)
+        self.compute_free = start + seconds
+        return start
+
+    def communicate(self, issued: float, seconds: float) -> float:
+        """Runs a collective issued at `issued`; returns when it ends."""
+        self.comm_free = max(self.comm_free, issued) + seconds
+        return self.comm_free
 
 
 def _is_matmul(entry: _Entry) -> bool:
@@ -200,12 +248,11 @@ def _is_matmul(entry: _Entry) -> bool:
 
 def num_experts_in(groups: Sequence[GroupSpec]) -> int:
     """The model's experts per block: the largest expert index + 1, or a fused first dim."""
-    most = 0
-    for group in groups:
-        _, per_expert, fused, _ = classify(group)
-        if per_expert:
-            most = max(most, max(per_expert) + 1)
-        for entry in fused:
-            if entry.shape:
-                most = max(most, entry.shape[0])
-    return most
+    return max((_experts_in(group) for group in groups), default=0)
+
+
+@functools.lru_cache(maxsize=4096)  # advise asks for every group at every split
+def _experts_in(group: GroupSpec) -> int:
+    _, per_expert, fused, _ = classify(group)
+    most = max(per_expert) + 1 if per_expert else 0
+    return max([most, *(entry.shape[0] for entry in fused if entry.shape)])

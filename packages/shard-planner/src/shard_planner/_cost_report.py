@@ -94,6 +94,8 @@ def plan_name(candidate: Candidate) -> str:
         parts.append("AC")
     if not est.reshard_after_forward:
         parts.append("kept gathered")
+    if est.prefetch > 1:
+        parts.append(f"prefetch {est.prefetch}")
     if candidate.optimizer != "adamw":
         parts.append(candidate.optimizer)
     if candidate.grad_bytes != 4:

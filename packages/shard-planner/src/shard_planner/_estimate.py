@@ -6,7 +6,6 @@ one rank holds and sends in a training step. The formulas are in its docstring.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -65,6 +64,7 @@ class Estimate:
     activation_bytes: int = 0
     checkpointing: bool = False
     reshard_after_forward: bool = True
+    prefetch: int = 1
 
     def __post_init__(self) -> None:
         for name in ("shard_size", "replicate_size"):
@@ -130,7 +130,17 @@ def _real_per_rank(layout: Layout) -> list[int]:
 
 
 def _optimizer_per_rank(layout: Layout, optimizer: str, param_bytes: int) -> list[int]:
-    """Optimizer state bytes on each rank for one group's layout."""
+    """Optimizer state bytes on each rank for one group's layout (kept: advise asks again)."""
+    key = (id(layout), optimizer, param_bytes)
+    known = _STATE.get(key)
+    if known is None or known[0] is not layout:  # an id may be reused once a plan is gone
+        known = _STATE[key] = (layout, _state_per_rank(layout, optimizer, param_bytes))
+        if len(_STATE) > _MAX_PLANS:
+            _STATE.popitem(last=False)
+    return known[1]
+
+
+def _state_per_rank(layout: Layout, optimizer: str, param_bytes: int) -> list[int]:
     if optimizer in ("adamw", "sgd"):
         per_element = 2 * param_bytes if optimizer == "adamw" else param_bytes
         return [n * per_element for n in _real_per_rank(layout)]
@@ -234,13 +244,38 @@ def _layouts(
 ) -> tuple[list[int], list[int]]:
     """Each group's shard size S_g, and the optimizer state on each shard rank.
 
-    Repeated layers (equal up to their indices) are planned once and counted.
+    Repeated layers (equal up to their indices) are planned once and counted; the answer is
+    kept (advise asks again for every setting it tries at one split).
     """
+    key = (
+        tuple(g.layout_id for g in groups), tuple(widths), shard_size, block_rows, align,
+        optimizer, param_bytes, allow_idle_ranks,
+    )  # fmt: skip
+    known = _LAYOUTS.get(key)
+    if known is None:
+        known = _plan_layouts(groups, widths, shard_size, block_rows, align, optimizer,
+                              param_bytes, allow_idle_ranks)  # fmt: skip
+        _LAYOUTS[key] = known
+        if len(_LAYOUTS) > _MAX_PLANS:
+            _LAYOUTS.popitem(last=False)
+    return known[0], list(known[1])
+
+
+def _plan_layouts(
+    groups: Sequence[GroupSpec],
+    widths: Sequence[int],
+    shard_size: int,
+    block_rows: int,
+    align: int,
+    optimizer: str,
+    param_bytes: int,
+    allow_idle_ranks: bool,
+) -> tuple[list[int], list[int]]:
     uses: dict[tuple[int, int], int] = {}
     for group, width in zip(groups, widths, strict=True):
         uses[group.layout_id, width] = uses.get((group.layout_id, width), 0) + 1
     planned: dict[tuple[int, int], Layout] = {}
-    optimizer_by_rank = [0] * shard_size
+    by_width: dict[int, list[int]] = {}  # per group width, the state on each of its pieces
     for group, width in zip(groups, widths, strict=True):
         key = (group.layout_id, width)
         if key in planned:
@@ -249,10 +284,13 @@ def _layouts(
         if not allow_idle_ranks:
             check_blocks_fit(group, layout.tensors, width)
         per_rank = _optimizer_per_rank(layout, optimizer, param_bytes)
-        count, spread = uses[key], shard_size // width  # rank i holds piece i // spread
-        optimizer_by_rank = [
-            a + count * per_rank[i // spread] for i, a in enumerate(optimizer_by_rank)
-        ]
+        total = by_width.setdefault(width, [0] * width)
+        for i, state in enumerate(per_rank):
+            total[i] += uses[key] * state
+    optimizer_by_rank = [0] * shard_size
+    for width, total in by_width.items():
+        spread = shard_size // width  # rank i holds piece i // spread
+        optimizer_by_rank = [a + total[i // spread] for i, a in enumerate(optimizer_by_rank)]
     sizes = [planned[g.layout_id, wg].shard_size for g, wg in zip(groups, widths, strict=True)]
     return sizes, optimizer_by_rank
 
@@ -325,6 +363,9 @@ def check_blocks_fit(group: GroupSpec, specs: Sequence[TensorSpec], shard_size: 
 
 _PLANS: OrderedDict[tuple[int, int, int, int], Layout] = OrderedDict()
 _MAX_PLANS = 256
+# Each plan's optimizer state per rank, by (plan, optimizer, bytes): the plan kept beside it.
+_STATE: OrderedDict[tuple[int, str, int], tuple[Layout, list[int]]] = OrderedDict()
+_LAYOUTS: OrderedDict[tuple[object, ...], tuple[list[int], list[int]]] = OrderedDict()
 
 
 _SPECS: OrderedDict[tuple[int, int], tuple[TensorSpec, ...]] = OrderedDict()
@@ -403,6 +444,7 @@ def estimate(
     expert_parallel: int = 1,
     activations: ActivationModel | None = None,
     reshard_after_forward: bool = True,
+    prefetch: int = 1,
 ) -> Estimate:
     """Memory per rank and communication per step of FSDP over `shard_size` ranks (x replicas).
 
@@ -416,7 +458,8 @@ def estimate(
       names without embed/head/output) and 2 b_p elsewhere (its AdamW groups); adamw8bit
       2 bytes per element plus 2 x 4 bytes per 32 x 32 block touched for 2-D tensors of at
       least 4096 elements, 2 x 4 bytes per element for the rest;
-    - unsharded: max_g W_g S_g b_c; with prefetch max_g (W_g S_g + W_g+1 S_g+1) b_c (without
+    - unsharded: max_g W_g S_g b_c; with prefetch max_g (W_g S_g + W_g+1 S_g+1) b_c (prefetch
+      p: p + 1 adjacent groups; without
       reshard_after_forward every group stays gathered from forward to backward: sum_g);
       reduce-scatter input max_g W_g S_g b_g; activations (`activations`, `_activations.py`);
       `memory_bytes` sums these with the sharded state. W_g is W, or W / e for a group of
@@ -468,6 +511,8 @@ def estimate(
             checkpointing of every block: their inputs, and forward computed twice).
         reshard_after_forward: Free each group after forward and gather it again for
             backward (FSDP's default); False keeps every group gathered in between.
+        prefetch: Groups gathered ahead of the one computing (FSDP's default 1; more with
+            `set_modules_to_forward_prefetch`): up to prefetch + 1 adjacent groups gathered.
 
     Returns:
         The Estimate.
@@ -520,9 +565,10 @@ def estimate(
     total = sum(shard_sizes)
     numel = sum(g.numel for g in original)
     full = [wg * s for wg, s in zip(widths, shard_sizes, strict=True)]  # a group gathered
-    pairs = [a + b for a, b in itertools.pairwise(full)] or full
-    if not reshard_after_forward:  # every group gathered at the end of forward
-        pairs = [sum(full)]
+    prefetch = check_count("prefetch", prefetch, 1)
+    # At most prefetch + 1 adjacent groups gathered at once (every group, when kept).
+    span = len(full) if not reshard_after_forward else prefetch + 1
+    pairs = [sum(full[i : i + span]) for i in range(max(1, len(full) - span + 1))]
     gathers_per_group = 2 if reshard_after_forward else 1
     # Every EP rank pads its own experts' layout: e copies of it cover the model's experts.
     covered = sum(f * (ep if expert else 1) for f, expert in zip(full, is_expert, strict=True))
@@ -559,7 +605,7 @@ def estimate(
         streamed = 2 * total * param_bytes + total * grad_bytes + 2 * max(optimizer_by_rank)
         update = streamed / (compute_model.memory_gbps * 1e9)
         regather = gathers if reshard_after_forward else [0.0] * len(gathers)
-        overlapped = step_time(work, gathers, reduces, compute_model.overlap, regather)
+        overlapped = step_time(work, gathers, reduces, compute_model.overlap, regather, prefetch)
         timing = {
             "compute_time_s": sum(work),
             "step_time_s": overlapped + a2a_time + update + compute_model.host_overhead_s,
@@ -593,5 +639,6 @@ def estimate(
             original, compute_bytes=gathered),
         checkpointing=checkpointing,
         reshard_after_forward=reshard_after_forward,
+        prefetch=prefetch,
         **timing,
     )  # fmt: skip

@@ -72,14 +72,14 @@ def _share(group: GroupSpec, ep: int) -> GroupSpec:
             )
         kept = indices[: len(indices) // ep]
         name = re.sub(r"\[\d+:\d+\]$", f"[{lo // ep}:{hi // ep}]", group.name)
-        return GroupSpec(
-            name,
-            tuple(
+        entries = tuple(e for i in kept for e in per_expert[i])
+        if lo:  # the first chunk keeps its numbers
+            entries = tuple(
                 e._replace(name=e.name.replace(f".experts.{i}.", f".experts.{lo // ep + i - lo}."))
                 for i in kept
                 for e in per_expert[i]
-            ),
-        )
+            )
+        return GroupSpec(name, entries)
     shrunk = []
     for entry in group.entries:
         assert entry.shape is not None  # fused experts have shapes
