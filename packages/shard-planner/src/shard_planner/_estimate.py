@@ -252,47 +252,33 @@ def _layouts(
         optimizer, param_bytes, allow_idle_ranks,
     )  # fmt: skip
     known = _LAYOUTS.get(key)
-    if known is None:
-        known = _plan_layouts(groups, widths, shard_size, block_rows, align, optimizer,
-                              param_bytes, allow_idle_ranks)  # fmt: skip
-        _LAYOUTS[key] = known
-        if len(_LAYOUTS) > _MAX_PLANS:
-            _LAYOUTS.popitem(last=False)
-    return known[0], list(known[1])
-
-
-def _plan_layouts(
-    groups: Sequence[GroupSpec],
-    widths: Sequence[int],
-    shard_size: int,
-    block_rows: int,
-    align: int,
-    optimizer: str,
-    param_bytes: int,
-    allow_idle_ranks: bool,
-) -> tuple[list[int], list[int]]:
+    if known is not None:
+        return list(known[0]), list(known[1])
     uses: dict[tuple[int, int], int] = {}
     for group, width in zip(groups, widths, strict=True):
         uses[group.layout_id, width] = uses.get((group.layout_id, width), 0) + 1
     planned: dict[tuple[int, int], Layout] = {}
     by_width: dict[int, list[int]] = {}  # per group width, the state on each of its pieces
     for group, width in zip(groups, widths, strict=True):
-        key = (group.layout_id, width)
-        if key in planned:
+        layout_key = (group.layout_id, width)
+        if layout_key in planned:
             continue
-        layout = planned[key] = _plan(group, block_rows, width, align)
+        layout = planned[layout_key] = _plan(group, block_rows, width, align)
         if not allow_idle_ranks:
             check_blocks_fit(group, layout.tensors, width)
         per_rank = _optimizer_per_rank(layout, optimizer, param_bytes)
         total = by_width.setdefault(width, [0] * width)
         for i, state in enumerate(per_rank):
-            total[i] += uses[key] * state
+            total[i] += uses[layout_key] * state
     optimizer_by_rank = [0] * shard_size
     for width, total in by_width.items():
         spread = shard_size // width  # rank i holds piece i // spread
         optimizer_by_rank = [a + total[i // spread] for i, a in enumerate(optimizer_by_rank)]
     sizes = [planned[g.layout_id, wg].shard_size for g, wg in zip(groups, widths, strict=True)]
-    return sizes, optimizer_by_rank
+    _LAYOUTS[key] = (sizes, optimizer_by_rank)
+    if len(_LAYOUTS) > _MAX_PLANS:
+        _LAYOUTS.popitem(last=False)
+    return list(sizes), list(optimizer_by_rank)
 
 
 def _check_expert_parallel(value: object, shard_size: int, compute: ComputeModel | None) -> int:
