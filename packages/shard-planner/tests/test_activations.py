@@ -123,6 +123,8 @@ def test_advise_searches_resharding_optimizers_and_reduce_dtypes() -> None:
                  == (kept.shard_size, kept.optimizer, kept.grad_bytes))  # fmt: skip
     assert kept.estimate.all_gather_bytes * 2 == again.estimate.all_gather_bytes
     assert kept.estimate.prefetch_unsharded_bytes > 10 * again.estimate.prefetch_unsharded_bytes
+    with pytest.raises(ValueError, match="prefetch needs at least one depth"):
+        advise(groups, num_ranks=16, ranks_per_node=8, memory_bytes=2**36, prefetch=[])
     # A model too large to keep gathered is not tried so (70B in bf16 is 140 GB).
     big = advise(load_preset("llama3-70b").groups, num_ranks=128, ranks_per_node=8,
                  memory_bytes=80 * 2**30, compute_bytes=2)  # fmt: skip
@@ -153,6 +155,8 @@ def test_command_line_prices_activations_and_searches_the_settings(capsys) -> No
     out = capsys.readouterr().out
     assert "| 1 | " in out and "blocks, AC" in out and "16-bit reduce" in out
     assert "# first, activation checkpointing of every block" in out
+    # The first plan's peak by part, adding up to the table's figure.
+    assert "memory of the first, per rank: parameters " in out and " activations " in out
     assert main(["estimate", "--preset", "llama3-8b", "--shard-size", "8", "--seq-len", "8192",
                  "--checkpointing", "--keep-gathered"]) == 0  # fmt: skip
     out = capsys.readouterr().out

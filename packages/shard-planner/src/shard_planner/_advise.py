@@ -232,7 +232,9 @@ def _checkpointing(activations: ActivationModel | None) -> list[ActivationModel 
 def _depths(given: Sequence[int] | None, compute: object) -> Sequence[int]:
     if given is None:
         return (1, 2) if compute is not None else (1,)
-    return [check_count("prefetch entry", d, 1) for d in given] or [1]
+    if not given:
+        raise ValueError("prefetch needs at least one depth to try")
+    return [check_count("prefetch entry", d, 1) for d in given]
 
 
 def _reshard_settings(given: Sequence[bool] | None) -> Sequence[bool]:

@@ -19,6 +19,7 @@ from shard_planner._compute import ComputeModel
 from shard_planner._cost_report import (
     format_candidates,
     format_estimate,
+    memory_parts,
     padding_note,
     plot_candidates,
     to_json,
@@ -318,6 +319,7 @@ def _cmd_advise(args: argparse.Namespace) -> None:
         grouped = split_experts(model.groups, best.expert_groups)
         assert grouped is not None  # advise made it
         ep = best.estimate.expert_parallel
+        print(f"memory of the first, per rank: {memory_parts(best.estimate)}")
         print(
             f"layout of the first: mesh ({best.replicate_size}, {best.shard_size}) "
             f"(replicate, shard), block_rows={args.block_rows}, then bottom-up:"

@@ -86,6 +86,20 @@ def format_candidates(candidates: Sequence[Candidate], memory_bytes: int) -> str
     return "\n".join(lines)
 
 
+def memory_parts(est: Estimate) -> str:
+    """The peak per rank by part, in one line (GiB)."""
+    parts = [
+        ("parameters", est.param_bytes),
+        ("gradients", est.grad_bytes),
+        ("optimizer", est.optimizer_bytes),
+        ("gathered", est.prefetch_unsharded_bytes),
+        ("reduce-scatter input", est.reduce_scatter_input_bytes),
+        ("activations", est.activation_bytes),
+    ]
+    text = ", ".join(f"{name} {nbytes / _GIB:.1f}" for name, nbytes in parts)
+    return f"{text} = {est.memory_bytes / _GIB:.1f} GiB"
+
+
 def plan_name(candidate: Candidate) -> str:
     """The grouping and every setting that differs from FSDP's defaults and AdamW in fp32."""
     est = candidate.estimate
