@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from model import Config, Decoder, loss_fn
+from model import Config, Decoder, MoE, SwiGLU, loss_fn
 from parallel import expert_parallel
 from planning import decoder_groups
 from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_engine import FSDPModule, fully_shard
-from shard_planner import Candidate, GroupSpec, advise
+from shard_planner import Candidate, GroupSpec, advise, estimate
 from shard_planner._compute import ComputeModel
 from shard_planner._expert_parallel import expert_groups_under_ep
 from shard_planner._granularity import fully_shard_calls, split_experts
@@ -29,13 +29,17 @@ from shard_planner._granularity import fully_shard_calls, split_experts
 NUM_EXPERTS = 8
 
 
-def _model() -> Decoder:
+def _model(dense_first: bool = False) -> Decoder:
     torch.manual_seed(0)
-    return Decoder(Config(num_experts=NUM_EXPERTS, num_layers=2, dim=24, hidden=40))
+    model = Decoder(Config(num_experts=NUM_EXPERTS, num_layers=3, dim=24, hidden=40))
+    if dense_first:  # as DeepSeek-V3: dense blocks, then MoE blocks
+        model.blocks[0].mlp = SwiGLU(24, 40)
+    return model
 
 
 def _apply(candidate: Candidate, groups: list[GroupSpec]) -> tuple[Decoder, list[str]]:
-    model = _model()
+    dense = candidate.estimate.dense_shard_size
+    model = _model(dense_first=dense is not None)
     replicas, shards = candidate.replicate_size, candidate.shard_size
     ep = candidate.estimate.expert_parallel
     mesh = init_device_mesh("cpu", (replicas, shards) if replicas > 1 else (shards,))
@@ -48,7 +52,15 @@ def _apply(candidate: Candidate, groups: list[GroupSpec]) -> tuple[Decoder, list
         expert_parallel(model, grid["ep"])
         grouped = tuple(expert_groups_under_ep(grouped, ep)[0])
         scope["experts_mesh"] = grid["dp"]
-    code = fully_shard_calls(grouped, experts_mesh="experts_mesh" if ep > 1 else None)
+    if dense is not None:  # as the CLI says: (copies, dense) HSDP for each dense block
+        scope["dense_mesh"] = init_device_mesh(
+            "cpu", (replicas * shards // dense, dense), mesh_dim_names=("replicate", "shard")
+        )
+    code = fully_shard_calls(
+        grouped,
+        experts_mesh="experts_mesh" if ep > 1 else None,
+        dense_mesh="dense_mesh" if dense is not None else None,
+    )
     reshard = candidate.estimate.reshard_after_forward
     scope["fully_shard"] = functools.partial(fully_shard, mesh=mesh, reshard_after_forward=reshard)
     exec("\n".join(code), scope)
@@ -102,7 +114,8 @@ def _check(candidate: Candidate, groups: list[GroupSpec]) -> dict[str, Any]:
     # Under EP a MoE runs the tokens of its whole ep group (gathered before it).
     slots = torch.arange(tokens.numel() * ep * 2) % NUM_EXPERTS
     for layer in model.layers:
-        layer.mlp.forced_choice = slots.view(tokens.numel() * ep, 2)
+        if isinstance(layer.mlp, MoE):
+            layer.mlp.forced_choice = slots.view(tokens.numel() * ep, 2)
     loss = loss_fn(model(tokens), tokens)
     # Between forward and backward: the groups kept gathered (reshard_after_forward=False)
     # are what the plan counts for that moment.
@@ -123,6 +136,16 @@ def _check(candidate: Candidate, groups: list[GroupSpec]) -> dict[str, Any]:
         "expert_groups": candidate.expert_groups,
         "expert_parallel": ep,
         "reshard_after_forward": est.reshard_after_forward,
+        "dense_shard_size": est.dense_shard_size,
         "param_bytes": est.param_bytes,
         "memory_bytes": est.memory_bytes,
     }
+
+
+def check_engine_follows_a_dense_sub_mesh_plan() -> dict[str, Any]:
+    """A MoE model whose first block is dense, that block sharded over 2 of the 4 ranks."""
+    world = dist.get_world_size()
+    groups = decoder_groups(_model(dense_first=True))
+    est = estimate(groups, shard_size=world, ranks_per_node=world, dense_shard_size=2)
+    assert est.all_reduce_bytes > 0  # the dense block's two copies all-reduce
+    return _check(Candidate(1, world, est, est.memory_bytes), groups)

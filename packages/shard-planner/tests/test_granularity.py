@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from shard_planner import GroupSpec, advise, load_preset
+from shard_planner import GroupSpec, advise, estimate, load_preset
 from shard_planner._cli import main
-from shard_planner._granularity import fully_shard_calls, has_experts, split_experts
+from shard_planner._granularity import dense_blocks, fully_shard_calls, has_experts, split_experts
 
 
 def test_split_experts_keeps_every_tensor_once_in_forward_order() -> None:
@@ -91,10 +91,13 @@ def test_advise_fits_deepseek_at_1024_by_splitting_experts(capsys) -> None:
     argv = ["advise", "--preset", "deepseek-v3-671b", "--ranks", "1024", "--memory-gb", "80"]
     assert main([*argv, "--compute-bytes", "2"]) == 0
     out = capsys.readouterr().out
-    assert "| 1 | 4 x 256 | experts in 8 |" in out
-    assert "layout of the first: mesh (4, 256) (replicate, shard), block_rows=1" in out
+    assert "| 1 | 2 x 512 | experts in 4, dense blocks on 8 |" in out
+    assert "| 2 | 4 x 256 | experts in 8 |" in out
+    assert "layout of the first: mesh (2, 512) (replicate, shard), block_rows=1" in out
+    assert "    # dense_mesh (128, 8) (replicate, shard): each dense block sharded" in out
+    assert "        fully_shard(model.model.layers[i], mesh=dense_mesh)" in out
     assert (
-        "        fully_shard([model.model.layers[i].mlp.experts[j] for j in range(lo, lo + 32)])"
+        "        fully_shard([model.model.layers[i].mlp.experts[j] for j in range(lo, lo + 64)])"
         in out
     )
     assert "every rank must run each group" in out
@@ -109,3 +112,23 @@ def test_bad_granularity() -> None:
     plain = [GroupSpec.from_shapes("g", {"w": (64, 64)})]
     only = advise(plain, num_ranks=4, ranks_per_node=4, memory_bytes=2**30)
     assert {c.expert_groups for c in only} == {0}  # nothing to split: blocks as given
+
+
+def test_dense_blocks_on_a_sub_mesh_pad_less() -> None:
+    # DeepSeek-V3's 3 dense layers with 16-row blocks over 1024 ranks: few, long rows that
+    # pad most of the model's 12.25%; over a node's 8 ranks they pad almost nothing.
+    groups = load_preset("deepseek-v3-671b").groups
+    assert dense_blocks(groups).count(True) == 3
+    whole = estimate(groups, shard_size=1024, compute_bytes=2, block_rows=16)
+    apart = estimate(groups, shard_size=1024, compute_bytes=2, block_rows=16,
+                     dense_shard_size=8)  # fmt: skip
+    assert f"{whole.padding_ratio:.2%}" == "12.25%" and f"{apart.padding_ratio:.2%}" == "4.95%"
+    assert apart.memory_bytes < whole.memory_bytes
+    # Their copies (1024 / 8 = 128 per dense block) all-reduce the dense blocks' gradients.
+    assert whole.all_reduce_bytes == 0 < apart.all_reduce_bytes
+    dense_numel = sum(g.numel for g, d in zip(groups, dense_blocks(groups), strict=True) if d)
+    assert apart.all_reduce_bytes >= dense_numel / 8 * 4
+    with pytest.raises(ValueError, match="dense_shard_size 3 must divide shard_size 1024"):
+        estimate(groups, shard_size=1024, dense_shard_size=3)
+    with pytest.raises(ValueError, match="this model has none"):
+        estimate(load_preset("llama3-8b").groups, shard_size=8, dense_shard_size=4)

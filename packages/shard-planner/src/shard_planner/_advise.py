@@ -11,7 +11,7 @@ from typing import Any
 from shard_planner._activations import ActivationModel
 from shard_planner._compute import ComputeModel
 from shard_planner._estimate import BlockTooLargeError, Estimate, estimate
-from shard_planner._granularity import has_experts, split_experts
+from shard_planner._granularity import dense_blocks, has_experts, split_experts
 from shard_planner._presets import GroupSpec
 from shard_planner._spec import check_count
 
@@ -79,6 +79,7 @@ def advise(
     optimizers: Sequence[str] | None = None,
     reduce_bytes: Sequence[int] | None = None,
     prefetch: Sequence[int] | None = None,
+    dense_shard_sizes: Sequence[int] | None = None,
     include_all: bool = False,
     **options: Any,
 ) -> list[Candidate]:
@@ -121,6 +122,10 @@ def advise(
             `options`' grad_bytes, 4 by default; `[4, 2]` also tries bf16 reduction).
         prefetch: Prefetch depths to try (None: 1, and 2 with a `compute` model, where a
             deeper prefetch can hide a large group's gather behind several small ones).
+        dense_shard_sizes: Sub-mesh sizes to try for a MoE model's dense blocks
+            (`estimate`'s dense_shard_size), where the split pads 1% or more without, at
+            prefetch 1. None: `ranks_per_node` (a node), when the model has dense blocks
+            beside MoE blocks.
         include_all: Also return the splits that do not fit (`fits=False`), after the
             fitting ones, by memory.
         **options: Passed to `estimate` (param_bytes, grad_bytes, compute_bytes, optimizer,
@@ -155,6 +160,7 @@ def advise(
     granularities = _granularities(groups, expert_groups)
     degrees = _ep_degrees(groups, expert_parallel, options.get("compute"))
     checkpointing = _checkpointing(activations)
+    dense = _dense_sizes(groups, dense_shard_sizes, ranks_per_node)
     choices = _choices(options, optimizers, reduce_bytes)
     numel = sum(g.numel for g in groups)
     gathered = options.get("compute_bytes") or options.get("param_bytes", 4)
@@ -178,20 +184,29 @@ def advise(
             held = floor / shard + act + activation_bytes + (0 if reshard else numel * gathered)
             if not include_all and held > memory_bytes:
                 continue
-            try:
-                est = estimate(grouped, shard_size=shard, replicate_size=replicate,
-                               ranks_per_node=ranks_per_node, expert_parallel=ep,
-                               activations=acts, reshard_after_forward=reshard, prefetch=depth,
-                               **chosen)  # fmt: skip
-            except BlockTooLargeError as err:
-                refused.append(err)
-                continue
-            peak = est.memory_bytes + activation_bytes
-            fits, headroom = peak <= memory_bytes, 1 - peak / memory_bytes
-            if fits or include_all:
-                out.append(Candidate(replicate, shard, est, peak, fits, headroom, k,
-                                     chosen.get("optimizer", "adamw"),
-                                     chosen.get("grad_bytes", 4)))  # fmt: skip
+            base_padding = 1.0
+            # A dense sub-mesh is worth trying only where blocks pad (and once per split:
+            # not again at each prefetch depth).
+            for size in (None, *(dense if depth == 1 else ())):
+                if size is not None and (shard % size or size >= shard or base_padding < 0.01):
+                    continue
+                try:
+                    est = estimate(grouped, shard_size=shard, replicate_size=replicate,
+                                   ranks_per_node=ranks_per_node, expert_parallel=ep,
+                                   activations=acts, reshard_after_forward=reshard,
+                                   prefetch=depth, dense_shard_size=size, **chosen)  # fmt: skip
+                except BlockTooLargeError as err:
+                    refused.append(err)
+                    base_padding = 1.0  # too few blocks for W: fewer ranks may fit them
+                    continue
+                if size is None:
+                    base_padding = est.padding_ratio
+                peak = est.memory_bytes + activation_bytes
+                fits, headroom = peak <= memory_bytes, 1 - peak / memory_bytes
+                if fits or include_all:
+                    out.append(Candidate(replicate, shard, est, peak, fits, headroom, k,
+                                         chosen.get("optimizer", "adamw"),
+                                         chosen.get("grad_bytes", 4)))  # fmt: skip
     if refused and not out:
         raise refused[0]
     fitting = [c for c in out if c.fits]
@@ -227,6 +242,14 @@ def _checkpointing(activations: ActivationModel | None) -> list[ActivationModel 
     if not isinstance(activations, ActivationModel):
         raise TypeError(f"activations must be an ActivationModel, got {activations!r}")
     return [dataclasses.replace(activations, checkpointing=c) for c in (False, True)]
+
+
+def _dense_sizes(
+    groups: Sequence[GroupSpec], given: Sequence[int] | None, ranks_per_node: int
+) -> list[int]:
+    if given is not None:
+        return [check_count("dense_shard_sizes entry", d, 1) for d in given]
+    return [ranks_per_node] if any(dense_blocks(groups)) else []
 
 
 def _depths(given: Sequence[int] | None, compute: object) -> Sequence[int]:

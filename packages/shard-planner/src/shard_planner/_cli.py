@@ -7,7 +7,6 @@ line on stderr, never a traceback.
 from __future__ import annotations
 
 import argparse
-import math
 import pathlib
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -15,6 +14,12 @@ from typing import Any, NoReturn
 
 from shard_planner._activations import ActivationModel
 from shard_planner._advise import Candidate, advise
+from shard_planner._cli_args import (
+    add_advise_options,
+    add_cost_options,
+    positive,
+    positive_list,
+)
 from shard_planner._compute import ComputeModel
 from shard_planner._cost_report import (
     format_candidates,
@@ -24,7 +29,7 @@ from shard_planner._cost_report import (
     plot_candidates,
     to_json,
 )
-from shard_planner._estimate import OPTIMIZERS, check_blocks_fit, estimate
+from shard_planner._estimate import check_blocks_fit, estimate
 from shard_planner._expert_parallel import expert_groups_under_ep
 from shard_planner._granularity import fully_shard_calls, has_experts, split_experts
 from shard_planner._layout import Layout, dump_plan, load_plan
@@ -55,67 +60,6 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         # argparse prints the whole usage block; one line is what scripts and people need.
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
-    return value
-
-
-def _name_list(names: Sequence[str]) -> Callable[[str], list[str]]:
-    def parse(text: str) -> list[str]:
-        items = [item.strip() for item in text.split(",") if item.strip()]
-        bad = [item for item in items if item not in names]
-        if not items or bad:
-            raise argparse.ArgumentTypeError(
-                f"expected a comma-separated list of {', '.join(names)}, got {text!r}"
-            )
-        return items
-
-    return parse
-
-
-def _dtype_bytes_list(text: str) -> list[int]:
-    sizes = {"fp32": 4, "bf16": 2, "fp16": 2}
-    return [sizes[name] for name in _name_list(tuple(sizes))(text)]
-
-
-def _bool_list(text: str) -> list[bool]:
-    return [name == "true" for name in _name_list(("true", "false"))(text)]
-
-
-def _count_list(text: str) -> list[int]:
-    """A comma-separated list of integers >= 0."""
-    items = [item.strip() for item in text.split(",") if item.strip()]
-    if not items or not all(item.isdigit() for item in items):
-        raise argparse.ArgumentTypeError(
-            f"expected a comma-separated list of integers >= 0, got {text!r}"
-        )
-    return [int(item) for item in items]
-
-
-def _positive_list(text: str) -> list[int]:
-    items = [item for item in text.split(",") if item.strip()]
-    if not items:
-        raise argparse.ArgumentTypeError(
-            f"expected a comma-separated list of integers, got {text!r}"
-        )
-    return [_positive(item) for item in items]
 
 
 def _load_model(args: argparse.Namespace) -> ModelPreset:
@@ -242,6 +186,7 @@ def _cost_options(args: argparse.Namespace) -> dict[str, Any]:
             hidden,
             overlap=args.overlap,
             memory_gbps=args.memory_gbps,
+            host_overhead_s=args.host_overhead_ms / 1e3,
         )
     activations = None
     if args.seq_len:
@@ -277,6 +222,7 @@ def _cmd_estimate(args: argparse.Namespace) -> None:
         replicate_size=args.replicate_size,
         ranks_per_node=args.ranks_per_node,
         reshard_after_forward=not args.keep_gathered,
+        dense_shard_size=args.dense_shard_size,
         **_cost_options(args),
     )
     print(f"{model.name}: {model.numel:,} parameters, {len(model.groups)} groups")
@@ -300,6 +246,7 @@ def _cmd_advise(args: argparse.Namespace) -> None:
         "reduce_bytes": args.reduce_bytes,
         "reshard_after_forward": args.reshard_after_forward,
         "prefetch": args.prefetch,
+        "dense_shard_sizes": args.dense_shard_sizes,
     }
     candidates = _advise(model, args, memory, **search)
     if not candidates:  # nothing fits: every split, for the table and the levers
@@ -333,7 +280,18 @@ def _cmd_advise(args: argparse.Namespace) -> None:
                 f"axis of {best.shard_size} shard ranks as ({dp}, {ep}) ('dp', 'ep'); first "
                 f"each block keeps its 1/{ep} of the experts over 'ep' (numbered from 0)"
             )
-        calls = fully_shard_calls(grouped, experts_mesh="experts_mesh" if ep > 1 else None)
+        dense = best.estimate.dense_shard_size
+        if dense is not None:
+            copies = best.replicate_size * best.shard_size // dense
+            print(
+                f"    # dense_mesh ({copies}, {dense}) (replicate, shard): each dense block "
+                f"sharded over {dense} consecutive ranks, its copies all-reduced"
+            )
+        calls = fully_shard_calls(
+            grouped,
+            experts_mesh="experts_mesh" if ep > 1 else None,
+            dense_mesh="dense_mesh" if dense is not None else None,
+        )
         if not best.estimate.reshard_after_forward:
             print("    # every call with reshard_after_forward=False (bound with the mesh)")
         if best.estimate.checkpointing:
@@ -413,113 +371,6 @@ def _levers(model: ModelPreset, args: argparse.Namespace, memory: int) -> list[s
     return lines
 
 
-def _add_cost_options(p: argparse.ArgumentParser) -> None:
-    """The options `estimate` and `advise` share: the model, bytes, links and compute."""
-    p.add_argument("file", nargs="?", help="group file (or use --preset)")
-    p.add_argument("--preset", help=f"one of: {', '.join(preset_names())}")
-    p.add_argument("--ranks-per-node", type=_positive, default=8)
-    p.add_argument("--block-rows", type=_positive, default=1)
-    p.add_argument("--param-bytes", type=_positive, default=4)
-    p.add_argument("--grad-bytes", type=_positive, default=4)
-    p.add_argument("--compute-bytes", type=_positive, help="bytes gathered per element")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
-    p.add_argument("--intra-node-gbps", type=_positive_float, default=400.0)
-    p.add_argument("--inter-node-gbps", type=_positive_float, default=50.0)
-    p.add_argument("--latency-us", type=_positive_float, default=20.0, help="per collective")
-    p.add_argument("--hop-latency-us", type=_positive_float, default=2.0, help="per ring step")
-    p.add_argument(
-        "--rails",
-        type=_positive,
-        default=1,
-        help="NICs per node a collective spreads over (8: one per GPU of an 8-GPU node)",
-    )
-    p.add_argument(
-        "--tokens-per-rank",
-        type=_positive,
-        help="tokens per rank per step: adds compute and the step time with overlap",
-    )
-    p.add_argument("--top-k", type=_positive, help="routed experts per token (MoE)")
-    p.add_argument(
-        "--hidden-size",
-        type=_positive,
-        help="activation width sent to experts under EP (default: the preset's)",
-    )
-    p.add_argument("--peak-tflops", type=_positive_float, default=989.0)
-    p.add_argument("--mfu", type=_positive_float, default=0.4)
-    p.add_argument(
-        "--overlap",
-        type=float,
-        default=1.0,
-        help="fraction of a group's collectives that hide behind compute, 0..1",
-    )
-    p.add_argument(
-        "--memory-gbps", type=_positive_float, default=3350.0, help="optimizer update's bandwidth"
-    )
-    p.add_argument(
-        "--links",
-        help="a calibration file (tools/calibrate_links.py): its fitted link figures "
-        "replace the four above",
-    )
-    p.add_argument("--seq-len", type=_positive, help="tokens per sequence: adds activations")
-    p.add_argument("--micro-batch", type=_positive, default=1, help="sequences per micro-batch")
-    p.add_argument(
-        "--activation-scale",
-        type=_positive_float,
-        default=1.0,
-        help="measured activations over the shape count (1: fused kernels)",
-    )
-    p.add_argument("--json", help="also write the result as JSON here")
-
-
-def _add_advise(sub: Any) -> None:
-    adv = sub.add_parser("advise", help="rank every (replicate, shard) split of N ranks")
-    _add_cost_options(adv)
-    adv.add_argument("--ranks", type=_positive, required=True)
-    adv.add_argument("--memory-gb", type=_positive_float, required=True, help="GiB per rank")
-    adv.add_argument("--activation-gb", type=_positive_float, default=0.0)
-    adv.add_argument(
-        "--expert-parallel",
-        type=_count_list,
-        help="EP degrees to try, e.g. 1,8,64 (default: 1, and powers of two up to 64 that "
-        "divide the experts, when --tokens-per-rank and --top-k price the all-to-alls)",
-    )
-    adv.add_argument(
-        "--expert-groups",
-        type=_count_list,
-        help="groups per block's experts to try, e.g. 0 (blocks whole) or 0,2,8 "
-        "(default: 0,1,2,4,8 where the model has experts)",
-    )
-    adv.add_argument(
-        "--min-headroom",
-        type=_positive_float,
-        default=0.1,
-        help="fraction of memory a split should leave free to rank first (default 0.1)",
-    )
-    adv.add_argument(
-        "--optimizers",
-        type=_name_list(OPTIMIZERS),
-        help=f"optimizers to try, e.g. adamw,adamw8bit (of {', '.join(OPTIMIZERS)})",
-    )
-    adv.add_argument(
-        "--reduce-dtypes",
-        dest="reduce_bytes",
-        type=_dtype_bytes_list,
-        help="gradient reduction dtypes to try, e.g. fp32,bf16 (default: --grad-bytes)",
-    )
-    adv.add_argument(
-        "--reshard-after-forward",
-        type=_bool_list,
-        help="settings to try, e.g. true (default: true, and false where the model fits gathered)",
-    )
-    adv.add_argument(
-        "--prefetch",
-        type=_count_list,
-        help="prefetch depths to try, e.g. 1,2 (default: 1, and 2 with --tokens-per-rank)",
-    )
-    adv.add_argument("--plot", help="padding and memory vs shard size, PNG (needs matplotlib)")
-    adv.set_defaults(run=_cmd_advise)
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="shard-planner",
@@ -528,13 +379,13 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--block-rows", type=_positive, default=1, help="rows per block (default 1)")
-        p.add_argument("--align", type=_positive, default=1, help="shard size alignment, elements")
+        p.add_argument("--block-rows", type=positive, default=1, help="rows per block (default 1)")
+        p.add_argument("--align", type=positive, default=1, help="shard size alignment, elements")
 
     plan = sub.add_parser("plan", help="plan the groups of a JSON group file or preset")
     plan.add_argument("file", nargs="?", help="group file (see shard_planner._presets)")
     plan.add_argument("--preset", help=f"a shipped preset: {', '.join(preset_names())}")
-    plan.add_argument("--world-size", type=_positive, required=True)
+    plan.add_argument("--world-size", type=positive, required=True)
     plan.add_argument("--group", help="plan only this group")
     plan.add_argument(
         "--allow-idle-ranks",
@@ -551,9 +402,9 @@ def _parser() -> argparse.ArgumentParser:
     compare = sub.add_parser("compare", help="padding of ours vs FSDP2 vs flat, whole model")
     compare.add_argument("file", nargs="?", help="group file (or use --preset)")
     compare.add_argument("--preset", help=f"one of: {', '.join(preset_names())}")
-    compare.add_argument("--world-sizes", type=_positive_list, default=[8, 64, 256, 1024])
-    compare.add_argument("--block-rows", type=_positive_list, default=[1])
-    compare.add_argument("--align", type=_positive, default=1)
+    compare.add_argument("--world-sizes", type=positive_list, default=[8, 64, 256, 1024])
+    compare.add_argument("--block-rows", type=positive_list, default=[1])
+    compare.add_argument("--align", type=positive, default=1)
     compare.add_argument("--plot", help="also draw the table into this PNG (needs matplotlib)")
     compare.set_defaults(run=_cmd_compare)
 
@@ -562,18 +413,23 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--preset")
     show.add_argument("--layout", help="a plan written by `plan --out`")
     show.add_argument("--group", help="group name (default: the first group)")
-    show.add_argument("--world-size", type=_positive, default=8)
-    show.add_argument("--max-ranks", type=_positive, default=16)
+    show.add_argument("--world-size", type=positive, default=8)
+    show.add_argument("--max-ranks", type=positive, default=16)
     show.add_argument("--out", help="draw the layout into this PNG (needs matplotlib)")
     common(show)
     show.set_defaults(run=_cmd_show)
 
     est = sub.add_parser("estimate", help="memory per rank and communication per step")
-    _add_cost_options(est)
-    est.add_argument("--shard-size", type=_positive, required=True)
-    est.add_argument("--replicate-size", type=_positive, default=1)
+    add_cost_options(est)
+    est.add_argument("--shard-size", type=positive, required=True)
+    est.add_argument("--replicate-size", type=positive, default=1)
     est.add_argument(
         "--checkpointing", action="store_true", help="activation checkpointing of every block"
+    )
+    est.add_argument(
+        "--dense-shard-size",
+        type=positive,
+        help="shard a MoE model's dense blocks over this many ranks (HSDP inside the shard)",
     )
     est.add_argument(
         "--keep-gathered",
@@ -582,7 +438,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     est.set_defaults(run=_cmd_estimate)
 
-    _add_advise(sub)
+    adv = sub.add_parser("advise", help="rank every (replicate, shard) split of N ranks")
+    add_advise_options(adv)
+    adv.set_defaults(run=_cmd_advise)
     return parser
 
 

@@ -110,6 +110,8 @@ def plan_name(candidate: Candidate) -> str:
         parts.append("kept gathered")
     if est.prefetch > 1:
         parts.append(f"prefetch {est.prefetch}")
+    if est.dense_shard_size is not None:
+        parts.append(f"dense blocks on {est.dense_shard_size}")
     if candidate.optimizer != "adamw":
         parts.append(candidate.optimizer)
     if candidate.grad_bytes != 4:

@@ -13,13 +13,10 @@ from dataclasses import dataclass
 
 from shard_planner._activations import RECOMPUTE, ActivationModel
 from shard_planner._compute import ComputeModel, matmul_params, step_time
-from shard_planner._expert_parallel import (
-    ALL_TO_ALLS_PER_BLOCK,
-    expert_groups_under_ep,
-    num_moe_blocks,
-)
-from shard_planner._granularity import block_index
+from shard_planner._expert_parallel import all_to_all, expert_groups_under_ep, num_moe_blocks
+from shard_planner._granularity import block_index, dense_blocks
 from shard_planner._layout import Layout
+from shard_planner._network import Net, Span, collective_times
 from shard_planner._plan import plan_layout
 from shard_planner._presets import GroupSpec
 from shard_planner._spec import TensorSpec, check_count
@@ -65,6 +62,7 @@ class Estimate:
     checkpointing: bool = False
     reshard_after_forward: bool = True
     prefetch: int = 1
+    dense_shard_size: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("shard_size", "replicate_size"):
@@ -162,79 +160,9 @@ def _state_per_rank(layout: Layout, optimizer: str, param_bytes: int) -> list[in
     return out
 
 
-def _crosses_nodes(
-    size: int, stride: int, starts: Sequence[int] | range, ranks_per_node: int
-) -> bool:
-    """Whether any group of `size` ranks `stride` apart, from one of `starts`, spans nodes.
-
-    Nodes hold consecutive ranks. Shard groups: stride 1 from each multiple of W; replica
-    groups: stride W from 0 .. W - 1; expert groups under EP: stride e within a shard group.
-    """
-    if size == 1:
-        return False
-    span = (size - 1) * stride
-    return any(s // ranks_per_node != (s + span) // ranks_per_node for s in starts)
-
-
-@dataclass(frozen=True)
-class _Net:
-    """The link figures: (intra, inter-node) bytes per second, latencies, node size, rails."""
-
-    bandwidths: tuple[float, float]
-    latency_us: float
-    hop_latency_us: float
-    ranks_per_node: int
-    rails: int = 1
-
-    def ring(self, size: int, stride: int, starts: Sequence[int] | range) -> tuple[float, float]:
-        """(fixed seconds, bytes per second) of a ring over `size` ranks (`_crosses_nodes`).
-
-        A ring that crosses nodes runs its node-to-node hops over as many rails as the group
-        has ranks on a node (NCCL's channels, one per NIC), up to `rails`: `inter x rails`
-        per step, never above the intra-node figure.
-        """
-        fixed = (self.latency_us + (size - 1) * self.hop_latency_us) * 1e-6
-        intra, inter = self.bandwidths
-        if not _crosses_nodes(size, stride, starts, self.ranks_per_node):
-            return fixed, intra
-        on_a_node = max(1, min(size, self.ranks_per_node // stride))
-        return fixed, min(intra, inter * min(self.rails, on_a_node))
-
-
-def _collective_times(
-    shard_sizes: Sequence[int],
-    widths: Sequence[int],
-    w: int,
-    r: int,
-    net: _Net,
-    gathered: int,
-    grad_bytes: int,
-) -> tuple[list[float], list[float]]:
-    """Per group: one all-gather's time, and its reduce-scatter's plus the HSDP all-reduce's."""
-    replica_latency = (net.latency_us + 2 * (r - 1) * net.hop_latency_us) * 1e-6
-    replica_gbps = net.ring(r, w, range(w))[1]
-    # Per group width, its ring (experts under EP: the ranks holding the same ones, e apart).
-    rings = {
-        wg: net.ring(wg, w // wg, [k * w + j for k in range(r) for j in range(w // wg)])
-        for wg in set(widths)
-    }
-    gathers, reduces = [], []
-    for s, wg in zip(shard_sizes, widths, strict=True):
-        gather = reduce = 0.0
-        if wg > 1:
-            latency, gbps = rings[wg]
-            gather = latency + (wg - 1) * s * gathered / gbps
-            reduce = latency + (wg - 1) * s * grad_bytes / gbps
-        if r > 1:
-            reduce += replica_latency + 2 * (r - 1) / r * s * grad_bytes / replica_gbps
-        gathers.append(gather)
-        reduces.append(reduce)
-    return gathers, reduces
-
-
 def _layouts(
     groups: Sequence[GroupSpec],
-    widths: Sequence[int],
+    spans: Sequence[Span],
     shard_size: int,
     block_rows: int,
     align: int,
@@ -248,37 +176,96 @@ def _layouts(
     kept (advise asks again for every setting it tries at one split).
     """
     key = (
-        tuple(g.layout_id for g in groups), tuple(widths), shard_size, block_rows, align,
+        tuple(g.layout_id for g in groups), tuple(spans), shard_size, block_rows, align,
         optimizer, param_bytes, allow_idle_ranks,
     )  # fmt: skip
     known = _LAYOUTS.get(key)
     if known is not None:
         return list(known[0]), list(known[1])
-    uses: dict[tuple[int, int], int] = {}
-    for group, width in zip(groups, widths, strict=True):
-        uses[group.layout_id, width] = uses.get((group.layout_id, width), 0) + 1
-    planned: dict[tuple[int, int], Layout] = {}
-    by_width: dict[int, list[int]] = {}  # per group width, the state on each of its pieces
-    for group, width in zip(groups, widths, strict=True):
-        layout_key = (group.layout_id, width)
+    uses: dict[tuple[int, Span], int] = {}
+    for group, span in zip(groups, spans, strict=True):
+        uses[group.layout_id, span] = uses.get((group.layout_id, span), 0) + 1
+    planned: dict[tuple[int, Span], Layout] = {}
+    by_span: dict[Span, list[int]] = {}  # per span, the state on each of its pieces
+    for group, span in zip(groups, spans, strict=True):
+        layout_key = (group.layout_id, span)
         if layout_key in planned:
             continue
-        layout = planned[layout_key] = _plan(group, block_rows, width, align)
+        layout = planned[layout_key] = _plan(group, block_rows, span.width, align)
         if not allow_idle_ranks:
-            check_blocks_fit(group, layout.tensors, width)
+            check_blocks_fit(group, layout.tensors, span.width)
         per_rank = _optimizer_per_rank(layout, optimizer, param_bytes)
-        total = by_width.setdefault(width, [0] * width)
+        total = by_span.setdefault(span, [0] * span.width)
         for i, state in enumerate(per_rank):
             total[i] += uses[layout_key] * state
     optimizer_by_rank = [0] * shard_size
-    for width, total in by_width.items():
-        spread = shard_size // width  # rank i holds piece i // spread
-        optimizer_by_rank = [a + total[i // spread] for i, a in enumerate(optimizer_by_rank)]
-    sizes = [planned[g.layout_id, wg].shard_size for g, wg in zip(groups, widths, strict=True)]
+    for span, total in by_span.items():
+        optimizer_by_rank = [a + total[span.piece(i)] for i, a in enumerate(optimizer_by_rank)]
+    sizes = [planned[g.layout_id, span].shard_size for g, span in zip(groups, spans, strict=True)]
     _LAYOUTS[key] = (sizes, optimizer_by_rank)
     if len(_LAYOUTS) > _MAX_PLANS:
         _LAYOUTS.popitem(last=False)
     return list(sizes), list(optimizer_by_rank)
+
+
+def _spans(
+    groups: Sequence[GroupSpec],
+    is_expert: Sequence[bool],
+    shard_size: int,
+    ep: int,
+    dense_shard_size: int | None,
+) -> list[Span]:
+    """The ranks each group is sharded over (`_network.Span`)."""
+    dense = [False] * len(groups)
+    if dense_shard_size is not None:
+        size = check_count("dense_shard_size", dense_shard_size, 1)
+        if shard_size % size:
+            raise ValueError(f"dense_shard_size {size} must divide shard_size {shard_size}")
+        dense = dense_blocks(groups)
+        if not any(dense):
+            raise ValueError(
+                "dense_shard_size shards a MoE model's dense blocks apart, and this model has "
+                "none (blocks with experts beside blocks without): use replicate_size"
+            )
+    out = []
+    for expert, apart in zip(is_expert, dense, strict=True):
+        if expert and ep > 1:  # the W / e ranks holding the same experts, e apart
+            out.append(Span(shard_size // ep, ep))
+        elif apart and dense_shard_size is not None:
+            out.append(Span(dense_shard_size))
+        else:
+            out.append(Span(shard_size))
+    return out
+
+
+def _timing(
+    compute: ComputeModel,
+    groups: Sequence[GroupSpec],
+    checkpointing: bool,
+    streamed_bytes: int,
+    a2a_time: float,
+    gathers: list[float],
+    reduces: list[float],
+    regather: list[float],
+    prefetch: int,
+) -> dict[str, float]:
+    """The compute, update and step time fields of an Estimate (`_compute.py`)."""
+    params = matmul_params(groups, compute.top_k)
+    work = [
+        6 * p * compute.tokens_per_rank / compute.flops_per_second
+        # A checkpointed block runs its forward again in backward.
+        * (RECOMPUTE if checkpointing and block_index(g.name) is not None else 1.0)
+        for p, g in zip(params, groups, strict=True)
+    ]  # fmt: skip
+    update = streamed_bytes / (compute.memory_gbps * 1e9)
+    overlapped = step_time(work, gathers, reduces, compute.overlap, regather, prefetch)
+    return {
+        "compute_time_s": sum(work),
+        "step_time_s": overlapped + a2a_time + update + compute.host_overhead_s,
+        "flops_per_token": 6 * sum(params),
+        "optimizer_time_s": update,
+        "host_s": compute.host_overhead_s,
+    }
 
 
 def _check_expert_parallel(value: object, shard_size: int, compute: ComputeModel | None) -> int:
@@ -291,17 +278,6 @@ def _check_expert_parallel(value: object, shard_size: int, compute: ComputeModel
             f"tokens_per_rank=..., top_k=..., hidden_size=...) to count the all-to-alls"
         )
     return ep
-
-
-def _all_to_all(
-    model: ComputeModel, num_blocks: int, ep: int, gathered: int, num_ranks: int, net: _Net
-) -> tuple[int, float]:
-    """Bytes one rank sends and the time of a step's expert all-to-alls (`_expert_parallel`)."""
-    assert model.hidden_size is not None and model.top_k is not None  # checked by estimate
-    per = model.tokens_per_rank * model.top_k * model.hidden_size * gathered * (ep - 1) // ep
-    latency, gbps = net.ring(ep, 1, range(0, num_ranks, ep))
-    count = ALL_TO_ALLS_PER_BLOCK * num_blocks
-    return count * per, count * (latency + per / gbps)
 
 
 def _check_optimizer(optimizer: str, block_rows: int) -> None:
@@ -431,6 +407,7 @@ def estimate(
     activations: ActivationModel | None = None,
     reshard_after_forward: bool = True,
     prefetch: int = 1,
+    dense_shard_size: int | None = None,
 ) -> Estimate:
     """Memory per rank and communication per step of FSDP over `shard_size` ranks (x replicas).
 
@@ -499,6 +476,9 @@ def estimate(
             backward (FSDP's default); False keeps every group gathered in between.
         prefetch: Groups gathered ahead of the one computing (FSDP's default 1; more with
             `set_modules_to_forward_prefetch`): up to prefetch + 1 adjacent groups gathered.
+        dense_shard_size: A MoE model's dense blocks (blocks without experts) sharded over
+            this many consecutive ranks instead of W, their copies all-reduced (HSDP inside
+            the shard group): their few, large blocks pad less over fewer ranks.
 
     Returns:
         The Estimate.
@@ -540,65 +520,47 @@ def estimate(
     original = groups
     groups_held, is_expert = expert_groups_under_ep(groups, ep)
     groups = tuple(groups_held)
-    # Per group: the ranks it is sharded over (experts under EP: W / e of them).
-    widths = [shard_size // ep if expert else shard_size for expert in is_expert]
+    spans = _spans(original, is_expert, shard_size, ep, dense_shard_size)
     shard_sizes, optimizer_by_rank = _layouts(
-        groups, widths, shard_size, block_rows, align_bytes // param_bytes, optimizer,
+        groups, spans, shard_size, block_rows, align_bytes // param_bytes, optimizer,
         param_bytes, allow_idle_ranks,
     )  # fmt: skip
 
     w, r = shard_size, replicate_size
     total = sum(shard_sizes)
     numel = sum(g.numel for g in original)
-    full = [wg * s for wg, s in zip(widths, shard_sizes, strict=True)]  # a group gathered
+    full = [span.width * s for span, s in zip(spans, shard_sizes, strict=True)]  # gathered
     prefetch = check_count("prefetch", prefetch, 1)
     # At most prefetch + 1 adjacent groups gathered at once (every group, when kept).
-    span = len(full) if not reshard_after_forward else prefetch + 1
-    pairs = [sum(full[i : i + span]) for i in range(max(1, len(full) - span + 1))]
+    window = len(full) if not reshard_after_forward else prefetch + 1
+    pairs = [sum(full[i : i + window]) for i in range(max(1, len(full) - window + 1))]
     gathers_per_group = 2 if reshard_after_forward else 1
     # Every EP rank pads its own experts' layout: e copies of it cover the model's experts.
     covered = sum(f * (ep if expert else 1) for f, expert in zip(full, is_expert, strict=True))
-    net = _Net(
+    net = Net(
         (intra_node_gbps * 1e9, inter_node_gbps * 1e9),
         latency_us,
         hop_latency_us,
         ranks_per_node,
         check_count("rails", rails, 1),
     )
-    gathers, reduces = _collective_times(shard_sizes, widths, w, r, net, gathered, grad_bytes)
-    time = gathers_per_group * sum(gathers) + sum(reduces)
-    timing: dict[str, float] = {}
-    all_to_all = 0
+    gathers, reduces = collective_times(shard_sizes, spans, w, r, net, gathered, grad_bytes)
     checkpointing = activations is not None and activations.checkpointing
+    timing: dict[str, float] = {}
+    a2a_bytes, a2a_time = 0, 0.0
     if compute_model is not None:
-        params = matmul_params(original, compute_model.top_k)
-        work = [
-            6
-            * p
-            * compute_model.tokens_per_rank
-            / compute_model.flops_per_second
-            # A checkpointed block runs its forward again in backward.
-            * (RECOMPUTE if checkpointing and block_index(g.name) is not None else 1.0)
-            for p, g in zip(params, original, strict=True)
-        ]
-        a2a_time = 0.0
         if ep > 1:
-            all_to_all, a2a_time = _all_to_all(
+            a2a_bytes, a2a_time = all_to_all(
                 compute_model, num_moe_blocks(groups), ep, gathered, w * r, net
             )
-        time += a2a_time
         # The update reads parameters, gradients and state, and writes parameters and state.
         streamed = 2 * total * param_bytes + total * grad_bytes + 2 * max(optimizer_by_rank)
-        update = streamed / (compute_model.memory_gbps * 1e9)
         regather = gathers if reshard_after_forward else [0.0] * len(gathers)
-        overlapped = step_time(work, gathers, reduces, compute_model.overlap, regather, prefetch)
-        timing = {
-            "compute_time_s": sum(work),
-            "step_time_s": overlapped + a2a_time + update + compute_model.host_overhead_s,
-            "flops_per_token": 6 * sum(params),
-            "optimizer_time_s": update,
-            "host_s": compute_model.host_overhead_s,
-        }
+        timing = _timing(compute_model, original, checkpointing, streamed, a2a_time,
+                         gathers, reduces, regather, prefetch)  # fmt: skip
+    sent = [(span.width - 1) * s for span, s in zip(spans, shard_sizes, strict=True)]
+    # A group's copies (HSDP replicas, a dense sub-mesh's copies) all-reduce its gradients.
+    copied = [s for span, s in zip(spans, shard_sizes, strict=True) if r * w > span.block]
     return Estimate(
         shard_size=w,
         replicate_size=r,
@@ -609,22 +571,20 @@ def estimate(
         unsharded_bytes=max(full) * gathered,
         prefetch_unsharded_bytes=max(pairs) * gathered,
         reduce_scatter_input_bytes=max(full) * grad_bytes,
-        all_gather_bytes=gathers_per_group
-        * sum((wg - 1) * s for wg, s in zip(widths, shard_sizes, strict=True))
-        * gathered,
-        reduce_scatter_bytes=sum((wg - 1) * s for wg, s in zip(widths, shard_sizes, strict=True))
-        * grad_bytes,
-        all_reduce_bytes=total * grad_bytes if r > 1 else 0,
+        all_gather_bytes=gathers_per_group * sum(sent) * gathered,
+        reduce_scatter_bytes=sum(sent) * grad_bytes,
+        all_reduce_bytes=sum(copied) * grad_bytes,
         padding_elements=covered - numel,
         padding_bytes=(covered - numel) * param_bytes,
         numel=numel,
-        comm_time_s=time,
+        comm_time_s=gathers_per_group * sum(gathers) + sum(reduces) + a2a_time,
         expert_parallel=ep,
-        all_to_all_bytes=all_to_all,
+        all_to_all_bytes=a2a_bytes,
         activation_bytes=0 if activations is None else activations.bytes_for(
             original, compute_bytes=gathered),
         checkpointing=checkpointing,
         reshard_after_forward=reshard_after_forward,
         prefetch=prefetch,
+        dense_shard_size=dense_shard_size,
         **timing,
     )  # fmt: skip

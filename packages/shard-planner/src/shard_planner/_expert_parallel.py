@@ -18,7 +18,9 @@ import functools
 import re
 from collections.abc import Sequence
 
+from shard_planner._compute import ComputeModel
 from shard_planner._granularity import classify
+from shard_planner._network import Net
 from shard_planner._presets import GroupSpec
 
 ALL_TO_ALLS_PER_BLOCK = 4  # dispatch and combine, forward and backward
@@ -101,3 +103,14 @@ def num_moe_blocks(groups: Sequence[GroupSpec]) -> int:
         if not rest and (per_expert or fused):
             owners.add(owner)
     return len(owners)
+
+
+def all_to_all(
+    model: ComputeModel, num_blocks: int, ep: int, gathered: int, num_ranks: int, net: Net
+) -> tuple[int, float]:
+    """Bytes one rank sends and the time of a step's expert all-to-alls (module docstring)."""
+    assert model.hidden_size is not None and model.top_k is not None  # checked by estimate
+    per = model.tokens_per_rank * model.top_k * model.hidden_size * gathered * (ep - 1) // ep
+    latency, gbps = net.ring(ep, 1, range(0, num_ranks, ep))
+    count = ALL_TO_ALLS_PER_BLOCK * num_blocks
+    return count * per, count * (latency + per / gbps)

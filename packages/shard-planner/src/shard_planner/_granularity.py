@@ -63,6 +63,29 @@ def has_experts(groups: Sequence[GroupSpec]) -> int:
     return most
 
 
+def dense_blocks(groups: Sequence[GroupSpec]) -> list[bool]:
+    """Which groups are a MoE model's dense blocks: a block index no expert group shares.
+
+    Example:
+        >>> blocks = [GroupSpec.from_shapes(f"l.{i}", {f"l.{i}.mlp.w": (8, 8)}) for i in (0,)]
+        >>> blocks += [GroupSpec.from_shapes("l.1", {"l.1.mlp.experts.0.w": (8, 8)})]
+        >>> dense_blocks(blocks)
+        [True, False]
+    """
+    with_experts = set()
+    for group in groups:
+        _, per_expert, fused, _ = classify(group)
+        if per_expert or fused:
+            with_experts.add(block_index(group.name))
+    if not with_experts:
+        return [False] * len(groups)
+    out = []
+    for group in groups:
+        index = block_index(group.name)
+        out.append(index is not None and index not in with_experts)
+    return out
+
+
 def _split(group: GroupSpec, num_groups: int) -> list[GroupSpec] | None:
     rest, per_expert, fused, owner = classify(group)
     if not per_expert and not fused:
@@ -125,7 +148,11 @@ def classify(group: GroupSpec) -> Classified:
 
 
 def fully_shard_calls(
-    groups: Sequence[GroupSpec], root: str = "model", *, experts_mesh: str | None = None
+    groups: Sequence[GroupSpec],
+    root: str = "model",
+    *,
+    experts_mesh: str | None = None,
+    dense_mesh: str | None = None,
 ) -> list[str]:
     """Python that makes `groups` with `fully_shard`, bottom-up, repeated blocks as loops.
 
@@ -137,7 +164,8 @@ def fully_shard_calls(
     The lines run as they are with `root` and `fully_shard` (with its mesh and block_rows
     bound) in scope. Under expert parallelism, give the groups one rank holds
     (`expert_groups_under_ep`) and the name of the mesh of the ranks holding the same experts
-    as `experts_mesh`: the expert groups' calls pass it (`mesh=experts_mesh`).
+    as `experts_mesh`: the expert groups' calls pass it (`mesh=experts_mesh`). With
+    `dense_mesh`, a MoE model's dense blocks (`dense_blocks`) pass that mesh.
 
     Example:
         >>> layers = [GroupSpec.from_shapes(f"layers.{i}", {
@@ -153,7 +181,8 @@ def fully_shard_calls(
     """
     blocks: list[tuple[str, str, list[tuple[str, int, int]]]] = []  # name, own call, chunks
     mesh = f", mesh={experts_mesh}" if experts_mesh else ""
-    for group in groups:
+    dense = dense_blocks(groups) if dense_mesh else [False] * len(groups)
+    for group, apart in zip(groups, dense, strict=True):
         chunk = re.fullmatch(r"(?P<owner>.*\.experts)\[(?P<lo>\d+):(?P<hi>\d+)\]", group.name)
         if chunk and blocks:
             blocks[-1][2].append((chunk["owner"], int(chunk["lo"]), int(chunk["hi"])))
@@ -163,7 +192,8 @@ def fully_shard_calls(
         if group.name.endswith(".experts") and blocks:  # fused experts: sharded before it
             blocks[-1][2].append((f"fully_shard({target}{mesh})", -1, -1))
             continue
-        blocks.append((group.name, f"fully_shard({target})", []))
+        own = f"fully_shard({target}, mesh={dense_mesh})" if apart else f"fully_shard({target})"
+        blocks.append((group.name, own, []))
     # Blocks with the same calls up to their index form one loop over their indices.
     patterns: dict[tuple[str, ...], list[str]] = {}
     for name, own, chunks in blocks:

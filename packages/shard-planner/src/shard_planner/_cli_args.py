@@ -1,0 +1,192 @@
+"""The `shard-planner` command line's options and their types (`_cli.py` runs them).
+
+Each type turns one argument into its value or raises argparse's error, which the parser
+reports as one line naming the option and the value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable, Sequence
+
+from shard_planner._estimate import OPTIMIZERS
+from shard_planner._presets import preset_names
+
+
+def positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def _name_list(names: Sequence[str]) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
+        items = [item.strip() for item in text.split(",") if item.strip()]
+        bad = [item for item in items if item not in names]
+        if not items or bad:
+            raise argparse.ArgumentTypeError(
+                f"expected a comma-separated list of {', '.join(names)}, got {text!r}"
+            )
+        return items
+
+    return parse
+
+
+def _dtype_bytes_list(text: str) -> list[int]:
+    sizes = {"fp32": 4, "bf16": 2, "fp16": 2}
+    return [sizes[name] for name in _name_list(tuple(sizes))(text)]
+
+
+def _bool_list(text: str) -> list[bool]:
+    return [name == "true" for name in _name_list(("true", "false"))(text)]
+
+
+def count_list(text: str) -> list[int]:
+    """A comma-separated list of integers >= 0."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items or not all(item.isdigit() for item in items):
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of integers >= 0, got {text!r}"
+        )
+    return [int(item) for item in items]
+
+
+def positive_list(text: str) -> list[int]:
+    items = [item for item in text.split(",") if item.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of integers, got {text!r}"
+        )
+    return [positive(item) for item in items]
+
+
+def add_cost_options(p: argparse.ArgumentParser) -> None:
+    """The options `estimate` and `advise` share: the model, bytes, links and compute."""
+    p.add_argument("file", nargs="?", help="group file (or use --preset)")
+    p.add_argument("--preset", help=f"one of: {', '.join(preset_names())}")
+    p.add_argument("--ranks-per-node", type=positive, default=8)
+    p.add_argument("--block-rows", type=positive, default=1)
+    p.add_argument("--param-bytes", type=positive, default=4)
+    p.add_argument("--grad-bytes", type=positive, default=4)
+    p.add_argument("--compute-bytes", type=positive, help="bytes gathered per element")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    p.add_argument("--intra-node-gbps", type=positive_float, default=400.0)
+    p.add_argument("--inter-node-gbps", type=positive_float, default=50.0)
+    p.add_argument("--latency-us", type=positive_float, default=20.0, help="per collective")
+    p.add_argument("--hop-latency-us", type=positive_float, default=2.0, help="per ring step")
+    p.add_argument(
+        "--rails",
+        type=positive,
+        default=1,
+        help="NICs per node a collective spreads over (8: one per GPU of an 8-GPU node)",
+    )
+    p.add_argument(
+        "--tokens-per-rank",
+        type=positive,
+        help="tokens per rank per step: adds compute and the step time with overlap",
+    )
+    p.add_argument("--top-k", type=positive, help="routed experts per token (MoE)")
+    p.add_argument(
+        "--hidden-size",
+        type=positive,
+        help="activation width sent to experts under EP (default: the preset's)",
+    )
+    p.add_argument("--peak-tflops", type=positive_float, default=989.0)
+    p.add_argument("--mfu", type=positive_float, default=0.4)
+    p.add_argument(
+        "--overlap",
+        type=float,
+        default=1.0,
+        help="fraction of a group's collectives that hide behind compute, 0..1",
+    )
+    p.add_argument(
+        "--memory-gbps", type=positive_float, default=3350.0, help="optimizer update's bandwidth"
+    )
+    p.add_argument(
+        "--host-overhead-ms",
+        type=positive_float,
+        default=0.0,
+        help="host work per step beyond compute and update, measured on one rank",
+    )
+    p.add_argument(
+        "--links",
+        help="a calibration file (tools/calibrate_links.py): its fitted link figures "
+        "replace the four above",
+    )
+    p.add_argument("--seq-len", type=positive, help="tokens per sequence: adds activations")
+    p.add_argument("--micro-batch", type=positive, default=1, help="sequences per micro-batch")
+    p.add_argument(
+        "--activation-scale",
+        type=positive_float,
+        default=1.0,
+        help="measured activations over the shape count (1: fused kernels)",
+    )
+    p.add_argument("--json", help="also write the result as JSON here")
+
+
+def add_advise_options(adv: argparse.ArgumentParser) -> None:
+    """The options only `advise` has: the budget and the settings to search."""
+    add_cost_options(adv)
+    adv.add_argument("--ranks", type=positive, required=True)
+    adv.add_argument("--memory-gb", type=positive_float, required=True, help="GiB per rank")
+    adv.add_argument("--activation-gb", type=positive_float, default=0.0)
+    adv.add_argument(
+        "--expert-parallel",
+        type=count_list,
+        help="EP degrees to try, e.g. 1,8,64 (default: 1, and powers of two up to 64 that "
+        "divide the experts, when --tokens-per-rank and --top-k price the all-to-alls)",
+    )
+    adv.add_argument(
+        "--expert-groups",
+        type=count_list,
+        help="groups per block's experts to try, e.g. 0 (blocks whole) or 0,2,8 "
+        "(default: 0,1,2,4,8 where the model has experts)",
+    )
+    adv.add_argument(
+        "--min-headroom",
+        type=positive_float,
+        default=0.1,
+        help="fraction of memory a split should leave free to rank first (default 0.1)",
+    )
+    adv.add_argument(
+        "--optimizers",
+        type=_name_list(OPTIMIZERS),
+        help=f"optimizers to try, e.g. adamw,adamw8bit (of {', '.join(OPTIMIZERS)})",
+    )
+    adv.add_argument(
+        "--reduce-dtypes",
+        dest="reduce_bytes",
+        type=_dtype_bytes_list,
+        help="gradient reduction dtypes to try, e.g. fp32,bf16 (default: --grad-bytes)",
+    )
+    adv.add_argument(
+        "--reshard-after-forward",
+        type=_bool_list,
+        help="settings to try, e.g. true (default: true, and false where the model fits gathered)",
+    )
+    adv.add_argument(
+        "--dense-shard-sizes",
+        type=count_list,
+        help="sub-mesh sizes to try for a MoE model's dense blocks (default: --ranks-per-node)",
+    )
+    adv.add_argument(
+        "--prefetch",
+        type=count_list,
+        help="prefetch depths to try, e.g. 1,2 (default: 1, and 2 with --tokens-per-rank)",
+    )
+    adv.add_argument("--plot", help="padding and memory vs shard size, PNG (needs matplotlib)")
