@@ -24,14 +24,13 @@ from shard_planner._compute import ComputeModel
 from shard_planner._cost_report import (
     format_candidates,
     format_estimate,
-    memory_parts,
+    layout_lines,
     padding_note,
     plot_candidates,
     to_json,
 )
 from shard_planner._estimate import check_blocks_fit, estimate
-from shard_planner._expert_parallel import expert_groups_under_ep
-from shard_planner._granularity import fully_shard_calls, has_experts, split_experts
+from shard_planner._granularity import has_experts
 from shard_planner._layout import Layout, dump_plan, load_plan
 from shard_planner._links import load_links
 from shard_planner._plan import ORDERS, plan_layout
@@ -263,59 +262,7 @@ def _cmd_advise(args: argparse.Namespace) -> None:
         for line in _levers(model, args, memory):
             print(line)
     if best is not None:
-        grouped = split_experts(model.groups, best.expert_groups)
-        assert grouped is not None  # advise made it
-        ep = best.estimate.expert_parallel
-        print(f"memory of the first, per rank: {memory_parts(best.estimate)}")
-        print(
-            f"layout of the first: mesh ({best.replicate_size}, {best.shard_size}) "
-            f"(replicate, shard), block_rows={args.block_rows}, then bottom-up:"
-        )
-        if ep > 1:  # what one rank holds: its 1/e of each block's experts, numbered from 0
-            grouped = tuple(expert_groups_under_ep(grouped, ep)[0])
-            dp = best.shard_size // ep
-            shape = f"({best.replicate_size}, {dp})" if best.replicate_size > 1 else f"({dp},)"
-            print(
-                f"    # experts_mesh {shape}: the ranks holding the same experts, the 'dp' "
-                f"axis of {best.shard_size} shard ranks as ({dp}, {ep}) ('dp', 'ep'); first "
-                f"each block keeps its 1/{ep} of the experts over 'ep' (numbered from 0)"
-            )
-        dense = best.estimate.dense_shard_size
-        if dense is not None:
-            copies = best.replicate_size * best.shard_size // dense
-            print(
-                f"    # dense_mesh ({copies}, {dense}) (replicate, shard): each dense block "
-                f"sharded over {dense} consecutive ranks, its copies all-reduced"
-            )
-        calls = fully_shard_calls(
-            grouped,
-            experts_mesh="experts_mesh" if ep > 1 else None,
-            dense_mesh="dense_mesh" if dense is not None else None,
-        )
-        if not best.estimate.reshard_after_forward:
-            print("    # every call with reshard_after_forward=False (bound with the mesh)")
-        if best.estimate.checkpointing:
-            print("    # first, activation checkpointing of every block (checkpoint_wrapper)")
-        if best.estimate.prefetch > 1:
-            print(
-                f"    # then each group prefetches the next {best.estimate.prefetch}: "
-                f"set_modules_to_forward_prefetch / set_modules_to_backward_prefetch"
-            )
-        print("\n".join(f"    {line}" for line in calls))
-        est = best.estimate
-        if est.step_time_s and est.comm_time_s > 3 * est.compute_time_s:
-            print(
-                f"note: communication is {est.comm_time_s / est.compute_time_s:.0f}x the "
-                f"compute of {est.compute_time_s:.2f} s per step: FSDP sends each parameter "
-                f"three times per step (two gathers, one reduce), so with this few tokens "
-                f"per rank no mesh split or grouping hides it; more tokens per rank, or "
-                f"expert parallelism (--expert-parallel, priced with --top-k), is the lever"
-            )
-        if best.expert_groups:
-            print(
-                "    (an expert group gathers when one of its experts runs: every rank must "
-                "run each group, e.g. call every expert, with no tokens if none are routed)"
-            )
+        print("\n".join(layout_lines(best, model.groups, args.block_rows)))
     if args.json:
         text = to_json(candidates)
         _write(args.json, lambda path: pathlib.Path(path).write_text(text))

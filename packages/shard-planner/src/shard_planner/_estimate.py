@@ -280,6 +280,27 @@ def _check_expert_parallel(value: object, shard_size: int, compute: ComputeModel
     return ep
 
 
+def _check_element_bytes(
+    param_bytes: object, grad_bytes: object, compute_bytes: object, align_bytes: int
+) -> tuple[int, int, int]:
+    """(parameter, gradient, gathered) bytes per element, each 1, 2, 4 or 8."""
+    param = _check_bytes("param_bytes", param_bytes)
+    grad = _check_bytes("grad_bytes", grad_bytes)
+    gathered = param if compute_bytes is None else _check_bytes("compute_bytes", compute_bytes)
+    if align_bytes % param:
+        raise ValueError(f"align_bytes {align_bytes} is not a multiple of param_bytes")
+    return param, grad, gathered
+
+
+def _check_models(compute: object, activations: object, reshard_after_forward: object) -> None:
+    if compute is not None and not isinstance(compute, ComputeModel):
+        raise TypeError(f"compute must be a ComputeModel, got {type(compute).__name__}")
+    if activations is not None and not isinstance(activations, ActivationModel):
+        raise TypeError(f"activations must be an ActivationModel, got {activations!r}")
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
+
+
 def _check_optimizer(optimizer: str, block_rows: int) -> None:
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
@@ -490,31 +511,18 @@ def estimate(
         (3.74, '0.0102%')
     """
     compute_model = compute
-    if compute_model is not None and not isinstance(compute_model, ComputeModel):
-        raise TypeError(f"compute must be a ComputeModel, got {type(compute_model).__name__}")
     shard_size = check_count("shard_size", shard_size, 1)
     replicate_size = check_count("replicate_size", replicate_size, 1)
-    param_bytes = _check_bytes("param_bytes", param_bytes)
-    grad_bytes = _check_bytes("grad_bytes", grad_bytes)
-    gathered = (
-        param_bytes if compute_bytes is None else _check_bytes("compute_bytes", compute_bytes)
+    param_bytes, grad_bytes, gathered = _check_element_bytes(
+        param_bytes, grad_bytes, compute_bytes, align_bytes
     )
     block_rows = check_count("block_rows", block_rows, 1)
     ranks_per_node = check_count("ranks_per_node", ranks_per_node, 1)
     _check_optimizer(optimizer, block_rows)
-    _check_links(
-        intra_node_gbps=intra_node_gbps,
-        inter_node_gbps=inter_node_gbps,
-        latency_us=latency_us,
-        hop_latency_us=hop_latency_us,
-    )
-    if align_bytes % param_bytes:
-        raise ValueError(f"align_bytes {align_bytes} is not a multiple of param_bytes")
+    _check_links(intra_node_gbps=intra_node_gbps, inter_node_gbps=inter_node_gbps,
+                 latency_us=latency_us, hop_latency_us=hop_latency_us)  # fmt: skip
     groups = _check_groups(groups)
-    if activations is not None and not isinstance(activations, ActivationModel):
-        raise TypeError(f"activations must be an ActivationModel, got {activations!r}")
-    if not isinstance(reshard_after_forward, bool):
-        raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
+    _check_models(compute_model, activations, reshard_after_forward)
 
     ep = _check_expert_parallel(expert_parallel, shard_size, compute_model)
     original = groups
@@ -525,7 +533,6 @@ def estimate(
         groups, spans, shard_size, block_rows, align_bytes // param_bytes, optimizer,
         param_bytes, allow_idle_ranks,
     )  # fmt: skip
-
     w, r = shard_size, replicate_size
     total = sum(shard_sizes)
     numel = sum(g.numel for g in original)
@@ -537,22 +544,16 @@ def estimate(
     gathers_per_group = 2 if reshard_after_forward else 1
     # Every EP rank pads its own experts' layout: e copies of it cover the model's experts.
     covered = sum(f * (ep if expert else 1) for f, expert in zip(full, is_expert, strict=True))
-    net = Net(
-        (intra_node_gbps * 1e9, inter_node_gbps * 1e9),
-        latency_us,
-        hop_latency_us,
-        ranks_per_node,
-        check_count("rails", rails, 1),
-    )
+    net = Net((intra_node_gbps * 1e9, inter_node_gbps * 1e9), latency_us, hop_latency_us,
+              ranks_per_node, check_count("rails", rails, 1))  # fmt: skip
     gathers, reduces = collective_times(shard_sizes, spans, w, r, net, gathered, grad_bytes)
     checkpointing = activations is not None and activations.checkpointing
     timing: dict[str, float] = {}
     a2a_bytes, a2a_time = 0, 0.0
     if compute_model is not None:
         if ep > 1:
-            a2a_bytes, a2a_time = all_to_all(
-                compute_model, num_moe_blocks(groups), ep, gathered, w * r, net
-            )
+            moe_blocks = num_moe_blocks(groups)
+            a2a_bytes, a2a_time = all_to_all(compute_model, moe_blocks, ep, gathered, w * r, net)
         # The update reads parameters, gradients and state, and writes parameters and state.
         streamed = 2 * total * param_bytes + total * grad_bytes + 2 * max(optimizer_by_rank)
         regather = gathers if reshard_after_forward else [0.0] * len(gathers)
@@ -580,8 +581,8 @@ def estimate(
         comm_time_s=gathers_per_group * sum(gathers) + sum(reduces) + a2a_time,
         expert_parallel=ep,
         all_to_all_bytes=a2a_bytes,
-        activation_bytes=0 if activations is None else activations.bytes_for(
-            original, compute_bytes=gathered),
+        activation_bytes=activations.bytes_for(original, compute_bytes=gathered)
+        if activations else 0,
         checkpointing=checkpointing,
         reshard_after_forward=reshard_after_forward,
         prefetch=prefetch,
