@@ -1,17 +1,21 @@
 """Predicted against measured FSDP step time, the planner calibrated on the machine it runs on.
 
-For the example decoder (dense and MoE) at each world size W, in one spawned process group:
+For the example decoder (dense and MoE) at one rank and at each world size W, in one spawned
+process group each:
 1. links: all-gathers and reduce-scatters timed as `calibrate_links.py` times them;
 2. compute: all W ranks run forward + backward of the whole model at once, with no FSDP and
    no communication; a rank's rate is the planner's FLOPs for its tokens over the median time
    (W ranks share this machine's cores, so the rate is measured at each W);
-3. measured: the engine trains the model wrapped as the plan prints it (`fully_shard_calls`
-   of its groups), AdamW; the step is the slowest rank's, forward to optimizer step, median.
-Then the links are fitted over every W (`fit_links`) and `shard_planner.estimate` predicts the
-step (`step_time_s`: each group's collectives against its neighbours' compute) with the
-fitted links and a `ComputeModel` at the measured rate (peak = rate, MFU 1). Not modelled:
-the optimizer step and the engine's host work (both small here; they are in the measured
-step, so they are part of the error the table shows).
+3. overlap: all-gathers alone, the compute alone, then both at once;
+4. the update's bandwidth: AdamW on 1M fp32 elements;
+5. measured: the engine trains the model wrapped as the plan prints it (`fully_shard_calls`
+   of its groups), AdamW; the step is the slowest rank's, forward to optimizer step, median
+   (interleaved with the compute runs, so that both see the same machine).
+The host work per step is what one rank's step takes beyond its compute and update, scaled
+at W by how much the compute slowed (on CPU, where the ranks share the cores). Then the links
+are fitted over every W (`fit_links`) and `shard_planner.estimate` predicts the step
+(`step_time_s`) with the fitted links and a `ComputeModel` at the measured rate (peak =
+rate, MFU 1), overlap, update bandwidth and host work.
 
 Usage:
     python tools/validate_step.py [--worlds 2,3,4] [--models dense,moe] [--steps 8]
