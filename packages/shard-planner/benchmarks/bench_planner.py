@@ -8,7 +8,8 @@ Prints:
    whole DeepSeek-V3-671B preset at W=1024, every group planned (no caching). Targets: < 0.3 s
    per group and < 2 s per preset, in pure Python.
 2. `advise` over its whole search (mesh splits, expert groupings, EP degrees, activation
-   checkpointing, reshard_after_forward, fp32 and bf16 reduction, with a compute model):
+   checkpointing, reshard_after_forward, prefetch, dense blocks on a node, fp32 and bf16
+   reduction, with a compute model):
    DeepSeek-V3-671B at 1024 ranks (< 3 s) and the 2.4T synthetic MoE at 10240 ranks (< 10 s),
    the preset loaded each time.
 3. Quality on every preset for W in {8 ... 10240} and block_rows in {1, 16, 32}: worst

@@ -200,7 +200,10 @@ def _layouts(
             total[i] += uses[layout_key] * state
     optimizer_by_rank = [0] * shard_size
     for span, total in by_span.items():
-        optimizer_by_rank = [a + total[span.piece(i)] for i, a in enumerate(optimizer_by_rank)]
+        # Rank i holds piece (i // stride) % width: each piece `stride` times in a row, the
+        # pattern repeated over the shard group.
+        per_rank = [t for t in total for _ in range(span.stride)] * (shard_size // span.block)
+        optimizer_by_rank = [a + b for a, b in zip(optimizer_by_rank, per_rank, strict=True)]
     sizes = [planned[g.layout_id, span].shard_size for g, span in zip(groups, spans, strict=True)]
     _LAYOUTS[key] = (sizes, optimizer_by_rank)
     if len(_LAYOUTS) > _MAX_PLANS:

@@ -30,10 +30,6 @@ class Span(NamedTuple):
         """Consecutive ranks in which each of the group's pieces is held once."""
         return self.width * self.stride
 
-    def piece(self, rank: int) -> int:
-        """The piece of the group shard rank `rank` holds."""
-        return (rank // self.stride) % self.width
-
 
 def crosses_nodes(
     size: int, stride: int, starts: Sequence[int] | range, ranks_per_node: int
