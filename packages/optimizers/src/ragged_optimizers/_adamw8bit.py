@@ -149,9 +149,14 @@ class AdamW8bit(StepOptimizer):
                 cast = isinstance(value, torch.Tensor) and loaded is not None
                 if cast and loaded.dtype != value.dtype:
                     self.state[param][key] = value.to(device=loaded.device)
-        self._runs.clear()
+        self._state_changed()
         for group in self.param_groups:
             self._group_runs(group)
+        self.state.changed = False
+
+    def _state_changed(self) -> None:
+        """Entries were edited: the runs re-read them into new flat state at their next use."""
+        self._runs.clear()
 
     @staticmethod
     def _is_8bit(layout: ParamLayout, group: dict[str, Any]) -> bool:

@@ -31,6 +31,7 @@ from ragged_placement import local_pieces
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 _MAX = "max_exp_avg_sq"
+_KEYS = (*_MOMENTS, _MAX)
 # The foreach kernels allocate a temporary the size of each tensor; on CPU one the size of a
 # whole run (hundreds of MB) is fresh memory every step, its page faults a quarter of the step
 # (47M parameters: 420 ms as one tensor, 331 ms in 4M-element chunks, 340 ms per parameter).
@@ -128,6 +129,12 @@ class AdamW(StepOptimizer):
         lr = group["lr"]
         if not (isinstance(lr, torch.Tensor) and lr.numel() == 1):
             check_nonnegative(lr, f"learning rate {where}['lr']")
+        elif group["foreach"]:
+            raise ValueError(
+                f"AdamW: {where} has a tensor lr and foreach=True; torch's foreach kernels "
+                f"take a tensor lr only when capturable: leave foreach unset (None) or use a "
+                f"float lr"
+            )
         check_nonnegative(group["eps"], f"epsilon value {where}['eps']")
         check_nonnegative(group["weight_decay"], f"weight_decay value {where}['weight_decay']")
         group["betas"] = check_betas(group["betas"], f"{where}['betas']")
@@ -147,28 +154,47 @@ class AdamW(StepOptimizer):
             ValueError: A state tensor's local shape differs from its parameter's piece.
         """
         super().load_state_dict(state_dict)
-        self._runs.clear()
+        self._state_changed()
         for group in self.param_groups:
             self._group_runs(group)
+        self.state.changed = False
+
+    def _state_changed(self) -> None:
+        """Entries were edited: the runs re-read them into new flat state at their next use."""
+        self._runs.clear()
 
     def _group_runs(self, group: dict[str, Any]) -> GroupRuns:
         runs = self._runs.get(id(group))
         if runs is None or not runs.is_current(group["params"]):
             runs = self._runs[id(group)] = GroupRuns(group["params"], self._name)
+            keys = (*_MOMENTS, _MAX) if group["amsgrad"] else _MOMENTS
             for run in runs.runs:
-                self._adopt(run)
+                self._adopt(run, keys)
         return runs
 
-    def _adopt(self, run: Run) -> None:
+    def _adopt(self, run: Run, keys: tuple[str, ...]) -> None:
         """Moves the state the run's parameters already have into the run's flat state.
 
-        That state was loaded, or made before their storage moved; each parameter's state
-        then holds views of the flat state instead.
+        That state was loaded, edited by a user, or made before their storage moved; each
+        parameter's state then holds views of the flat state instead. A parameter without
+        state starts afresh at its next step, as in torch's AdamW.
+
+        Raises:
+            ValueError: A parameter's state lacks one of `keys` (torch's AdamW would fail at
+                its step with a KeyError).
         """
         held = [(i, self.state[p]) for i, p in enumerate(run.params) if self.state.get(p)]
         if not held:
             return
-        keys = sorted({k for _, st in held for k in st if k != "step"})
+        for i, st in held:
+            missing = [k for k in ("step", *keys) if k not in st]
+            if missing:
+                raise ValueError(
+                    f"AdamW: the state of {self._name(run.params[i])} has no {missing[0]!r} "
+                    f"(it has {sorted(st)}); give it {sorted(('step', *keys))}, or clear it "
+                    f"to start afresh"
+                )
+        keys = tuple(sorted({*keys, *(k for _, st in held for k in st if k in _KEYS)}))
         run.state = {}
         for key in keys:
             flat = run.state_tensor(key)
@@ -228,7 +254,7 @@ class AdamW(StepOptimizer):
             list(columns[3]),
             list(columns[4]) if amsgrad else [],
             steps,
-            foreach=None if fused else group["foreach"] is not False,
+            foreach=None if fused else _foreach(group),
             fused=fused or None,
             has_complex=any(s.param.is_complex() for s in segments),
             amsgrad=amsgrad,
@@ -251,6 +277,16 @@ class AdamW(StepOptimizer):
             state["step"] = run.steps[i]
             for key in keys:
                 state[key] = run.exposed(i, run.state_tensor(key))
+
+
+def _foreach(group: dict[str, Any]) -> bool:
+    """Whether the foreach kernels run: as torch's AdamW decides when unset (`foreach=None`).
+
+    torch turns them off for a tensor learning rate, which they take only when capturable.
+    """
+    if group["foreach"] is None:
+        return not isinstance(group["lr"], torch.Tensor)
+    return bool(group["foreach"])
 
 
 def _cpu_chunks(

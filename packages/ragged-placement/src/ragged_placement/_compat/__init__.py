@@ -36,6 +36,9 @@ at each call:
   call of its op a Python round trip (4-7 us measured on `view` and `mean(dim)`);
 - `OutputSharding.use_val_from_redistribute_schema` (`rewritten_call`): a rule that gives the
   local call other non-tensor arguments than the global one (a view's local shape).
+- `DTensor.__reduce_ex__` / `__deepcopy__` (`_pickle.py`): a DTensor over a piece of a larger
+  storage (every DBuffer view after the first) pickles, deep-copies and `torch.save`s as a
+  DTensor over a copy of its piece; torch's own path fails on it since 2.11.
 Supported: torch 2.10 to 2.15 (CI runs the tests on 2.10 and 2.15, `nox -s tests` on every
 minor). Where they differ, the choice is made once at import by feature (does the name exist),
 not by version compares. Other versions are refused at import with a

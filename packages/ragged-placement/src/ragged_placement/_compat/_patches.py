@@ -40,6 +40,7 @@ from ragged_placement._compat import (
     dispatch_without_handler,
 )
 from ragged_placement._compat._gloo_exit import let_gloo_release_work
+from ragged_placement._compat._pickle import patch_pickling
 
 
 class Hooks(Protocol):
@@ -447,6 +448,11 @@ def _patch_foreach_handlers(hooks: Hooks) -> None:
         handlers.setdefault(op, run_foreach)
 
 
+def _patch_pickling(hooks: Hooks) -> None:
+    """`DTensor.__reduce_ex__` / `__deepcopy__` for pieces of a larger storage (`_pickle.py`)."""
+    patch_pickling()
+
+
 _PATCHES: tuple[Callable[[Hooks], None], ...] = (
     _patch_redistribute,
     _patch_distribute,
@@ -458,4 +464,5 @@ _PATCHES: tuple[Callable[[Hooks], None], ...] = (
     _patch_random_fills,
     _patch_full_state_dict_load,
     _patch_foreach_handlers,
+    _patch_pickling,
 )
