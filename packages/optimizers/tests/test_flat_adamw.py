@@ -7,7 +7,11 @@ independent copies. Distributed: tests/test_optimizers_with_engine.py.
 
 from __future__ import annotations
 
+import collections
+import copy
 import cProfile
+import io
+import pickle
 import pstats
 
 import pytest
@@ -284,3 +288,104 @@ def test_zero_grad_as_torch(set_to_none) -> None:
             assert param.grad is not None and not param.grad.any()
             assert param.grad.untyped_storage().data_ptr() == shared.grad_storage.data_ptr()
     assert set_to_none or shared.grad_storage.count_nonzero() == 0
+
+
+def _moved(opt: torch.optim.Optimizer) -> None:
+    """The usual loop that moves state (here onto the same device: a copy of each entry)."""
+    for state in opt.state.values():
+        for key, value in list(state.items()):
+            state[key] = value.clone()
+
+
+# What users do to an optimizer's state between steps. Each must be followed as torch's AdamW
+# follows it: the next steps and state_dict() equal torch's.
+STATE_EDITS = {
+    "moved": lambda opt, ps: _moved(opt),
+    "replaced scaled": lambda opt, ps: [
+        st.__setitem__("exp_avg", st["exp_avg"] * 0.5) for st in opt.state.values()
+    ],
+    "in place": lambda opt, ps: [st["exp_avg_sq"].mul_(2.0) for st in opt.state.values()],
+    "cleared": lambda opt, ps: opt.state.clear(),
+    "one deleted": lambda opt, ps: opt.state.__delitem__(ps[2]),
+    "one cleared": lambda opt, ps: opt.state[ps[0]].clear(),
+    "one popped": lambda opt, ps: opt.state.pop(ps[5]),
+    "one reassigned": lambda opt, ps: opt.state.__setitem__(
+        ps[3], {k: v * 2 if k != "step" else v for k, v in opt.state[ps[3]].items()}
+    ),
+    "step replaced": lambda opt, ps: opt.state[ps[4]].update(step=torch.tensor(10.0)),
+    "new state dict": lambda opt, ps: setattr(opt, "state", collections.defaultdict(dict)),
+}
+
+
+@pytest.mark.parametrize("edit", list(STATE_EDITS))
+def test_user_edits_of_state_are_followed_as_torch_adamw(edit: str) -> None:
+    shared = Shared(SHAPES, GAPS, seed=5)
+    theirs = shared.copies()
+    ours = AdamW(shared.params, lr=1e-2)
+    torchs = torch.optim.AdamW(theirs, lr=1e-2, foreach=True)
+    for step in range(6):
+        if step == 3:
+            STATE_EDITS[edit](ours, shared.params)
+            STATE_EDITS[edit](torchs, theirs)
+        grads = _grads(SHAPES, step)
+        shared.set_grads(grads)
+        for q, g in zip(theirs, grads, strict=True):
+            q.grad = g.clone()
+        ours.step()
+        torchs.step()
+        _assert_same(ours, torchs, shared.params, theirs)
+        ours_sd, torch_sd = ours.state_dict(), torchs.state_dict()
+        # torch's keeps insertion order; ours the parameters' (the same on every rank).
+        assert list(ours_sd["state"]) == sorted(torch_sd["state"]), (edit, step)
+        for index, state in torch_sd["state"].items():
+            for key, value in state.items():
+                assert torch.equal(ours_sd["state"][index][key], value), (edit, step, index, key)
+
+
+def test_a_state_entry_without_a_moment_is_refused_by_name() -> None:
+    shared = Shared(SHAPES, GAPS, seed=6)
+    opt = AdamW([("w", shared.params[0]), ("b", shared.params[2])], lr=1e-2)
+    shared.set_grads(_grads(SHAPES, 0))
+    opt.step()
+    del opt.state[shared.params[2]]["exp_avg_sq"]  # torch's AdamW: a KeyError at its step
+    with pytest.raises(ValueError, match=r"the state of b has no 'exp_avg_sq'"):
+        opt.step()
+
+
+def test_state_is_in_parameter_order_and_pickles_as_torch_state() -> None:
+    shared = Shared(SHAPES, GAPS, seed=7)
+    # Listed against storage order: the runs are made (and their state filled) in storage
+    # order, the state must still follow the parameters.
+    params = shared.params[::-1]
+    opt = AdamW(params, lr=1e-2)
+    shared.set_grads(_grads(SHAPES, 0))
+    opt.step()
+    assert list(opt.state) == params
+    assert list(opt.state_dict()["state"]) == list(range(len(params)))
+    saved = io.BytesIO()
+    torch.save(opt.state_dict(), saved)
+    saved.seek(0)
+    loaded = torch.load(saved)  # weights_only: plain dicts of tensors, as torch's AdamW saves
+    assert all(type(entry) is dict for entry in loaded["state"].values())
+    copied = copy.deepcopy(opt.state)
+    assert type(copied) is collections.defaultdict, type(copied)
+    first = next(iter(copied.values()))  # keyed by copies of the parameters
+    assert torch.equal(first["exp_avg"], opt.state[params[0]]["exp_avg"])
+    assert pickle.loads(pickle.dumps(opt.state_dict()))["state"].keys() == loaded["state"].keys()
+
+
+def test_tensor_lr_steps_as_torch_without_foreach() -> None:
+    shared = Shared(SHAPES, GAPS, seed=8)
+    theirs = shared.copies()
+    ours = AdamW(shared.params, lr=torch.tensor(0.01))
+    torchs = torch.optim.AdamW(theirs, lr=torch.tensor(0.01))  # torch: foreach off
+    for step in range(3):
+        grads = _grads(SHAPES, step)
+        shared.set_grads(grads)
+        for q, g in zip(theirs, grads, strict=True):
+            q.grad = g.clone()
+        ours.step()
+        torchs.step()
+        _assert_same(ours, torchs, shared.params, theirs)
+    with pytest.raises(ValueError, match=r"param_groups\[0\] has a tensor lr and foreach=True"):
+        AdamW(shared.params, lr=torch.tensor(0.01), foreach=True)
