@@ -18,6 +18,8 @@ Example (`mesh`: a 1-D DeviceMesh of one rank; `weight`: an 8 x 4 tensor):
     torch.Size([8, 4])
 """
 
+import torch as _torch
+
 from ragged_placement._comm_counter import Collective, CommCounter
 from ragged_placement._compat import SUPPORTED_TORCH, check_torch_version
 from ragged_placement._compat import install as _install
@@ -54,3 +56,6 @@ __all__ = [
 ]
 
 _install(_RaggedHooks())
+# State dicts holding RaggedShard DTensors load with torch.load's default weights_only=True,
+# as torch's own placements do.
+_torch.serialization.add_safe_globals([RaggedShard, StridedRaggedShard])
