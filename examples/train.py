@@ -44,6 +44,7 @@ from torch import nn
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
+import checkpoints
 from model import Config, Decoder, loss_fn
 from parallel import expert_parallel, tensor_parallel
 from pipeline import DecoderStage, decoder_stage, pipeline_schedule
@@ -201,7 +202,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     model = build(args, len(text.chars), device)  # each block, then the root, sharded
     runner = Runner(model, args, device, len(text.chars))
     opt = make_optimizer(args.optimizer, model, args.lr)
-    start = load(args.resume, model, opt) if args.resume is not None else 0
+    settings = checkpoints.run_settings(args, len(text.chars), args.data)
+    start = checkpoints.load(args.resume_from, model, opt) if args.resume_from else 0
 
     def my_rows(step: int) -> torch.Tensor:  # this rank's share of the step's global batch
         batch = text.batch("train", args.seed, step, args.global_batch, args.seq_len)
@@ -224,13 +226,15 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
     log = _Log(args, rank, start, device)
     for step in range(start, args.steps):
+        checkpoints.fault_before_step(step + 1)
         log.step(step, step_fn, lead_in)
-        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            log.record["val"].append((step + 1, evaluate(runner, text, args, device)))
+        done = step + 1
+        if done % args.eval_every == 0 or done == args.steps:
+            log.record["val"].append((done, evaluate(runner, text, args, device)))
+        every = args.checkpoint_every
+        if args.checkpoint is not None and (done == args.steps or (every and done % every == 0)):
+            checkpoints.save(args.checkpoint, done, model, opt, settings, args.keep_checkpoints)
     log.close()
-    if args.checkpoint is not None:
-        args.checkpoint.mkdir(parents=True, exist_ok=True)
-        save(args.checkpoint, model, opt, args.steps)
     record = log.finish(world, args.global_batch * args.seq_len)
     record.update(
         sample=sample(runner, text, args.sample_chars, device, args.seq_len),
@@ -482,36 +486,6 @@ def _memory(device: torch.device) -> str:
     return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:.0f}MiB rss"
 
 
-# -- checkpoints --------------------------------------------------------------------------------
-
-
-def save(directory: pathlib.Path, model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
-    """Model and optimizer state with torch.distributed.checkpoint, and the step."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_state, optim_state = get_state_dict(model, opt)
-    dcp.state_dict_saver.save(
-        {"model": model_state, "optim": optim_state}, checkpoint_id=str(directory)
-    )
-    if dist.get_rank() == 0:
-        (directory / "meta.json").write_text(json.dumps({"step": step}))
-    dist.barrier()
-
-
-def load(directory: pathlib.Path, model: nn.Module, opt: torch.optim.Optimizer) -> int:
-    """Loads what `save` wrote (any world size, either engine); returns the step."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    model_state, optim_state = get_state_dict(model, opt)
-    dcp.state_dict_loader.load(
-        {"model": model_state, "optim": optim_state}, checkpoint_id=str(directory)
-    )  # in place
-    set_state_dict(model, opt, model_state_dict=model_state, optim_state_dict=optim_state)
-    return int(json.loads((directory / "meta.json").read_text())["step"])
-
-
 # -- entry points -------------------------------------------------------------------------------
 
 
@@ -541,9 +515,15 @@ def run(args: argparse.Namespace) -> None:
     dist.barrier()
 
 
-def _run_then_shut_down(args: argparse.Namespace) -> None:
+def _run_then_shut_down(args: argparse.Namespace) -> int:
+    """Runs this rank; 2 (the message printed once) for a checkpoint found damaged."""
     try:
         run(args)
+        return 0
+    except checkpoints.CheckpointError as exc:  # raised on every rank alike
+        if dist.get_rank() == 0:
+            print(f"train.py: error: {exc}", file=sys.stderr)
+        return 2
     finally:
         dist.destroy_process_group()
 
@@ -552,12 +532,12 @@ def _spawned(rank: int, world: int, init_file: str, args: argparse.Namespace) ->
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    _run_then_shut_down(args)
+    status = _run_then_shut_down(args)
     # A spawned rank has nothing left to tear down; skipping interpreter shutdown also skips
     # any gloo worker-thread cleanup that could still abort it (see above).
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -573,14 +553,18 @@ def main(argv: list[str] | None = None) -> int:
     if launched:
         backend = "nccl" if args.device == "cuda" else "gloo"
         dist.init_process_group(backend)
-        _run_then_shut_down(args)
-        return 0
+        return _run_then_shut_down(args)
     import tempfile
 
-    from torch.multiprocessing.spawn import spawn
+    from torch.multiprocessing.spawn import ProcessExitedException, spawn
 
     with tempfile.TemporaryDirectory() as tmp:
-        spawn(_spawned, args=(world, f"{tmp}/rendezvous", args), nprocs=world)
+        try:
+            spawn(_spawned, args=(world, f"{tmp}/rendezvous", args), nprocs=world)
+        except ProcessExitedException as exc:
+            if exc.exit_code == 2:  # a damaged checkpoint, already reported by rank 0
+                return 2
+            raise
     return 0
 
 

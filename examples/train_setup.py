@@ -12,6 +12,7 @@ import pathlib
 from typing import NoReturn
 
 import torch
+from checkpoints import CheckpointError, Found, check_resumable, find, newest, run_settings
 from pipeline import SCHEDULES
 
 DATA = pathlib.Path(__file__).parent / "data" / "tinyshakespeare.txt"
@@ -70,8 +71,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--data", type=pathlib.Path, default=DATA)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("build/demo"))
-    parser.add_argument("--checkpoint", type=pathlib.Path, help="save here at the end (DCP)")
-    parser.add_argument("--resume", type=pathlib.Path, help="continue from this checkpoint")
+    parser.add_argument(
+        "--checkpoint",
+        type=pathlib.Path,
+        help="save checkpoints in this folder (one step-N folder each, at the end and every "
+        "--checkpoint-every steps); if it holds one already, continue from the newest",
+    )
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=0, help="steps between saves (0: at the end)"
+    )
+    parser.add_argument(
+        "--keep-checkpoints", type=int, default=2, help="how many of the newest to keep"
+    )
+    parser.add_argument(
+        "--resume",
+        type=pathlib.Path,
+        help="continue from this checkpoint (a step-N folder, or a --checkpoint folder: its "
+        "newest)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sample-chars", type=int, default=300)
     args = parser.parse_args(argv)
@@ -118,8 +135,7 @@ def check_args(args: argparse.Namespace, world: int) -> None:
         )
     if args.dim % args.heads:
         raise UsageError(f"--dim {args.dim} must be a multiple of --heads {args.heads}")
-    if args.resume is not None and not (args.resume / "meta.json").is_file():
-        raise UsageError(f"--resume {args.resume}: no checkpoint there (no meta.json)")
+    _check_checkpoints(args)
     if args.gather == "fp8" and args.engine == "fsdp2":
         raise UsageError(
             "--gather fp8 needs shards of whole 32-row blocks, which FSDP2's Shard(0) does "
@@ -133,6 +149,39 @@ def check_args(args: argparse.Namespace, world: int) -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device on this machine")
     Text(args.data).batch("val", 0, 0, 1, args.seq_len)  # the text is long enough
+    args.resume_from = _checkpoint_to_resume(args)
+
+
+def _check_checkpoints(args: argparse.Namespace) -> None:
+    if args.checkpoint_every < 0:
+        raise UsageError(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
+    if args.keep_checkpoints < 1:
+        raise UsageError(f"--keep-checkpoints must be >= 1, got {args.keep_checkpoints}")
+    if args.checkpoint is not None and args.checkpoint.exists() and not args.checkpoint.is_dir():
+        raise UsageError(f"--checkpoint {args.checkpoint} is a file; give a folder")
+    if args.checkpoint_every and args.checkpoint is None:
+        raise UsageError("--checkpoint-every needs --checkpoint FOLDER")
+    if args.resume is not None and not args.resume.is_dir():
+        raise UsageError(f"--resume {args.resume}: no checkpoint there (not a folder)")
+
+
+def _checkpoint_to_resume(args: argparse.Namespace) -> Found | None:
+    """--resume's checkpoint, else --checkpoint's newest; refused here if it cannot resume."""
+    try:
+        if args.resume is not None:
+            found = find(args.resume)
+            if found is None:
+                raise UsageError(f"--resume {args.resume}: no checkpoint there (no meta.json)")
+        elif args.checkpoint is not None:
+            found = newest(args.checkpoint)
+        else:
+            return None
+        if found is not None:
+            text = Text(args.data)
+            check_resumable(found, run_settings(args, len(text.chars), args.data), args.steps)
+        return found
+    except CheckpointError as exc:
+        raise UsageError(str(exc)) from None
 
 
 # -- data ---------------------------------------------------------------------------------------

@@ -9,7 +9,9 @@ of them would cost more than the small runs themselves.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -226,3 +228,126 @@ def test_pipeline_parallel_runs_and_resumes_without_it(tmp_path, pools) -> None:
     for step in range(5, 9):
         assert abs(after[step] - dp[step]) < 1e-3, (step, after[step], dp[step])
     assert dp[8] < dp[1] - 0.3  # it learns
+
+
+# -- checkpoints: a kill at any moment loses nothing, a wrong checkpoint is refused ---------------
+
+
+def _run_command_line(*args: str, out: pathlib.Path, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(TRAIN), *SMALL, "--out", str(out), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **env},
+    )
+
+
+@pytest.mark.parametrize("engine", ["ours", "fsdp2"])
+def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint(tmp_path, pools, engine) -> None:
+    # Checkpoints every 3 steps; rank 1 is SIGKILLed after writing its part of step 6's and
+    # before the commit. Step 3's stays complete, step 6's half-written folder loads as
+    # nothing, and the run started again with the same command continues from step 3
+    # bitwise as if never stopped.
+    checkpoint = tmp_path / "ck"
+    saving = ("--engine", engine, "--steps", "8", "--checkpoint", str(checkpoint))
+    saving = (*saving, "--checkpoint-every", "3")
+    killed = _run_command_line(
+        "--nproc", "2", *saving, out=tmp_path / "a", RAGGED_FSDP_FAULT="kill-in-save:6:1"
+    )
+    assert killed.returncode != 0 and "SIGKILL" in killed.stderr, killed.stderr[-2000:]
+    assert sorted(p.name for p in checkpoint.iterdir()) == [".step-000006.tmp", "step-000003"]
+    assert any((checkpoint / ".step-000006.tmp").glob("*.distcp"))  # killed mid-save indeed
+    full = _losses(_train(pools, 2, "--engine", engine, "--steps", "8", out=tmp_path / "b"))
+    resumed = _losses(_train(pools, 2, *saving, out=tmp_path / "c"))
+    assert sorted(resumed) == list(range(4, 9)), sorted(resumed)
+    for step in range(4, 9):
+        assert resumed[step] == full[step], (step, resumed[step], full[step])
+    assert sorted(p.name for p in checkpoint.iterdir()) == ["step-000006", "step-000008"]
+
+
+def test_torchrun_restart_continues_from_the_last_checkpoint(tmp_path, pools) -> None:
+    # torchrun --max-restarts 1: rank 1 is killed before step 5's forward; torchrun starts
+    # both ranks again, which find step 4's checkpoint and train steps 5-12 only, with the
+    # losses of an uninterrupted run. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives each attempt
+    # a store of its own (with torchrun's shared store, 1 restart in 3 hung here on gloo).
+    checkpoint = tmp_path / "ck"
+    command = [
+        *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"),
+        *("--max-restarts", "1", str(TRAIN), *SMALL, "--out", str(tmp_path / "a")),
+        *("--steps", "12", "--checkpoint", str(checkpoint), "--checkpoint-every", "2"),
+    ]
+    env = {
+        **os.environ,
+        "RAGGED_FSDP_FAULT": "kill-at-step:5:1",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "failed (exitcode: -9) local_rank: 1" in result.stderr, result.stderr[-2000:]
+    restarted = _losses(_record(tmp_path / "a", ()))
+    full = _losses(_train(pools, 2, "--steps", "12", out=tmp_path / "b"))
+    assert sorted(restarted) == list(range(5, 13)), sorted(restarted)  # 1-4 not trained again
+    for step in range(5, 13):
+        assert restarted[step] == full[step], (step, restarted[step], full[step])
+
+
+def test_damaged_or_foreign_checkpoints_are_refused_by_name(tmp_path, pools) -> None:
+    checkpoint = tmp_path / "ck"
+    _train(pools, 2, "--steps", "4", "--checkpoint", str(checkpoint), out=tmp_path / "a")
+    saved = checkpoint / "step-000004"
+    refusals = [
+        (["--layers", "3"], f"{saved} was saved with --layers 2, this run has 3"),
+        (["--heads", "4"], "was saved with --heads 2, this run has 4"),
+        (["--lr", "0.1"], "was saved with --lr 0.003, this run has 0.1"),
+        (["--optimizer", "adamw"], "was saved with --optimizer 'flat-adamw'"),
+        (["--steps", "3"], f"{saved} is at step 4, --steps 3 leaves nothing to train"),
+        (["--steps", "4"], "--steps 4 leaves nothing to train"),
+    ]
+    for args, message in refusals:
+        for how in ("--resume", "--checkpoint"):  # explicit, and the newest in the folder
+            _expect_refusal(["--steps", "8", how, str(checkpoint), *args], message)
+    # 64 bytes flipped inside a tensor record: the digest names the file, before any loading.
+    damaged = tmp_path / "damaged"
+    shutil.copytree(checkpoint, damaged)
+    record = damaged / "step-000004" / "__1_0.distcp"
+    data = bytearray(record.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 64] = bytes(b ^ 0xFF for b in data[middle : middle + 64])
+    record.write_bytes(data)
+    result = _run_command_line(
+        "--nproc", "2", "--steps", "8", "--resume", str(damaged), out=tmp_path / "b"
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"{record} differs from its digest" in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    # A meta.json that does not parse names itself.
+    (damaged / "step-000004" / "meta.json").write_text("{not json")
+    _expect_refusal(["--resume", str(damaged)], f"{damaged}/step-000004/meta.json: not a")
+
+
+def _expect_refusal(argv: list[str], message: str) -> None:
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert _exit_code([*SMALL, *argv]) == 2, argv
+    assert message in err.getvalue(), (message, err.getvalue())
+    assert len(err.getvalue().strip().splitlines()) == 1, err.getvalue()
+
+
+def test_bad_checkpoint_options_are_refused_before_training(tmp_path) -> None:
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    cases = [
+        (["--checkpoint", str(a_file)], f"--checkpoint {a_file} is a file; give a folder"),
+        (["--checkpoint-every", "2"], "--checkpoint-every needs --checkpoint FOLDER"),
+        (["--checkpoint", str(tmp_path), "--checkpoint-every", "-1"], "must be >= 0, got -1"),
+        (["--checkpoint", str(tmp_path), "--keep-checkpoints", "0"], "must be >= 1, got 0"),
+        (["--resume", str(a_file)], f"--resume {a_file}: no checkpoint there"),
+        (["--resume", str(tmp_path)], f"--resume {tmp_path}: no checkpoint there"),
+    ]
+    for argv, message in cases:
+        _expect_refusal(argv, message)

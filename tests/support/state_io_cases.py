@@ -216,7 +216,9 @@ def _moved(opt: torch.optim.Optimizer) -> None:
 EDITS: dict[str, Callable[[torch.optim.Optimizer], None]] = {
     "moved": _moved,
     "cleared": lambda opt: opt.state.clear(),
-    "halved": lambda opt: [s.__setitem__("exp_avg", s["exp_avg"] * 0.5) for s in opt.state.values()],
+    "halved": lambda opt: [
+        entry.__setitem__("exp_avg", entry["exp_avg"] * 0.5) for entry in opt.state.values()
+    ],
     "first cleared": lambda opt: next(iter(opt.state.values())).clear(),
 }
 

@@ -8,7 +8,7 @@ independent copies. Distributed: tests/test_optimizers_with_engine.py.
 from __future__ import annotations
 
 import collections
-import copy
+import copy as copying
 import cProfile
 import io
 import pickle
@@ -367,7 +367,7 @@ def test_state_is_in_parameter_order_and_pickles_as_torch_state() -> None:
     saved.seek(0)
     loaded = torch.load(saved)  # weights_only: plain dicts of tensors, as torch's AdamW saves
     assert all(type(entry) is dict for entry in loaded["state"].values())
-    copied = copy.deepcopy(opt.state)
+    copied = copying.deepcopy(opt.state)
     assert type(copied) is collections.defaultdict, type(copied)
     first = next(iter(copied.values()))  # keyed by copies of the parameters
     assert torch.equal(first["exp_avg"], opt.state[params[0]]["exp_avg"])

@@ -77,6 +77,7 @@ class StepOptimizer(Optimizer):
 
     def _state_changed(self) -> None:
         """Called before a step when `state` was edited since the last (override to re-read)."""
+
     def _order_state(self) -> None:
         """Puts `state` in the order of the parameters in `param_groups` (in place).
 
@@ -94,7 +95,7 @@ class StepOptimizer(Optimizer):
         self._ordered_entries = len(state)
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's optimizer state dict, its `state` in the parameters' order on every rank.
+        """The state dict in torch's format, `state` in the parameters' order on every rank.
 
         Example:
             >>> from ragged_optimizers import AdamW
