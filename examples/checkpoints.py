@@ -98,7 +98,7 @@ def read_meta(folder: pathlib.Path) -> dict[str, Any]:
             raise CheckpointError(f"{path}: no {name!r} ({kind.__name__}) in it")
     if meta["format"] != FORMAT:
         raise CheckpointError(f"{path}: format {meta['format']}, this script reads {FORMAT}")
-    return meta
+    return dict(meta)
 
 
 def newest(root: pathlib.Path) -> Found | None:
@@ -169,7 +169,8 @@ def save(
         temporary.mkdir()
     dist.barrier()
     model_state, optim_state = get_state_dict(model, opt)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(temporary))
+    state = {"model": model_state, "optim": optim_state}
+    dcp.state_dict_saver.save(state, checkpoint_id=str(temporary))
     _fault("kill-in-save", step)
     files = _digests(temporary, _my_files(temporary))
     gathered: list[Any] = [None] * dist.get_world_size()
@@ -264,7 +265,8 @@ def load(found: Found, model: nn.Module, opt: torch.optim.Optimizer) -> int:
     if found_problems:
         raise CheckpointError(f"{found_problems[0]} (the checkpoint is damaged)")
     model_state, optim_state = get_state_dict(model, opt)
-    dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=str(found.path))
+    state = {"model": model_state, "optim": optim_state}
+    dcp.state_dict_loader.load(state, checkpoint_id=str(found.path))  # in place
     set_state_dict(model, opt, model_state_dict=model_state, optim_state_dict=optim_state)
     return found.step
 

@@ -19,6 +19,7 @@ kept by pickle's and deepcopy's memos (a tied weight is saved once), as for any 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -54,8 +55,8 @@ def _piece_of_its_own(dt: DTensor) -> DTensor | None:
 
 def patch_pickling() -> None:
     """`DTensor.__reduce_ex__` and `__deepcopy__`: a piece of a larger storage as its own."""
-    original_reduce = DTensor.__reduce_ex__
-    original_deepcopy = DTensor.__deepcopy__
+    original_reduce: Callable[[DTensor, Any], Any] = DTensor.__reduce_ex__
+    original_deepcopy: Callable[[DTensor, dict[int, Any]], Any] = DTensor.__deepcopy__
 
     def __reduce_ex__(self: DTensor, proto: Any) -> Any:  # noqa: N807
         twin = _piece_of_its_own(self)
