@@ -16,10 +16,12 @@ def _params(seed: int) -> list[torch.nn.Parameter]:
     return params
 
 
-@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf, 0.0])
 @pytest.mark.parametrize("max_norm", [0.1, 100.0])
 def test_equals_torch_on_plain_tensors(norm_type, max_norm) -> None:
     ours, theirs = _params(0), _params(0)
+    for params in (ours, theirs):  # torch's 0-norm counts the tensors with a non-zero
+        params[1].grad.zero_()
     got = clip_grad_norm_(ours, max_norm, norm_type=norm_type)
     expected = torch.nn.utils.clip_grad_norm_(theirs, max_norm, norm_type=norm_type)
     torch.testing.assert_close(got, expected)
@@ -31,7 +33,7 @@ def test_edge_cases_and_bad_input() -> None:
     assert float(clip_grad_norm_([torch.nn.Parameter(torch.zeros(2))], 1.0)) == 0.0
     one = _params(1)[0]
     assert float(clip_grad_norm_(one, 1e9)) == float(one.grad.norm())  # a single tensor
-    for bad in (-1.0, True, "1"):
+    for bad in (-1.0, True, "1", float("nan")):
         with pytest.raises(ValueError, match="max_norm must be a number >= 0"):
             clip_grad_norm_(_params(2), bad)  # type: ignore[arg-type]
     for bad in ("pp", 2):
@@ -56,6 +58,16 @@ def fake_mesh():
         yield init_device_mesh("cpu", (4,))
     finally:
         dist.destroy_process_group()
+
+
+def test_a_partial_gradient_is_refused_by_name(fake_mesh) -> None:
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    params, _ = _sharded_params(fake_mesh, 2)
+    params[1].grad = DTensor.from_local(torch.ones(8, 3), fake_mesh, [Partial()])
+    with pytest.raises(ValueError, match=r"gradient 1 is a DTensor with placements \(Partial"):
+        clip_grad_norm_(params, 1.0)
+    assert isinstance(params[0].grad.placements[0], Shard)
 
 
 def _sharded_params(mesh, num_params: int) -> tuple[list[torch.nn.Parameter], torch.Tensor]:

@@ -171,6 +171,8 @@ def test_bad_input() -> None:
         AdamW8bit(p, block_size=(32, 0))
     with pytest.raises(ValueError, match="min_8bit_numel must be an int"):
         AdamW8bit(p, min_8bit_numel=1.5)
+    with pytest.raises(ValueError, match=r"min_8bit_numel must be an int >= 0 .*got -5"):
+        AdamW8bit(p, min_8bit_numel=-5)
 
 
 # Parameters viewing one storage, as a DBuffer's shard holds them: 8-bit ones of 64 columns

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp_engine._compat import foreach_mul_, foreach_norm, norm_keys
-from ragged_placement import flat_runs
+from fsdp_engine._compat import foreach_mul_, foreach_norm, is_partial_key, norm_keys
+from ragged_placement import flat_runs, local_pieces
 
 
 def clip_grad_norm_(
@@ -63,8 +63,8 @@ def clip_grad_norm_(
     """
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     value: object = max_norm  # callers may pass anything; check before use
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise ValueError(f"max_norm must be a number >= 0, got {max_norm!r}")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise ValueError(f"max_norm must be a number >= 0 (inf: no clipping), got {max_norm!r}")
     mesh: object = pp_mesh  # callers may pass anything; check before use
     if mesh is not None and (not isinstance(mesh, DeviceMesh) or mesh.ndim != 1):
         raise ValueError(f"pp_mesh must be a 1-D DeviceMesh or None, got {pp_mesh!r}")
@@ -73,10 +73,16 @@ def clip_grad_norm_(
     if not grads and pp_mesh is None:
         return torch.tensor(0.0)
     p = float(norm_type)
-    flats_by_group = _flat_groups(grads)
-    norms = [
-        _reduced_norm(_local_norm(flats, p), p, axes) for (_, axes), flats in flats_by_group.items()
-    ]
+    if math.isnan(p):
+        raise ValueError(f"norm_type must be a number or inf, got {norm_type!r}")
+    flats_by_group = _flat_groups(grads, whole=p == 0)
+    if p == 0:  # torch's 0-"norm" of a list: how many gradients have a non-zero element
+        norms = [_nonzero_tensors(pieces, axes) for (_, axes), pieces in flats_by_group.items()]
+    else:
+        norms = [
+            _reduced_norm(_local_norm(flats, p), p, axes)
+            for (_, axes), flats in flats_by_group.items()
+        ]
     device = norms[0].device if norms else torch.device(pp_mesh.device_type)  # type: ignore[union-attr]
     total = _combined([n if n.device == device else n.to(device) for n in norms], p, device)
     if pp_mesh is not None:
@@ -100,12 +106,17 @@ def clip_grad_norm_(
 _Groups = dict[tuple[torch.device, tuple[dist.ProcessGroup, ...]], list[torch.Tensor]]
 
 
-def _flat_groups(grads: list[torch.Tensor]) -> _Groups:
+def _flat_groups(grads: list[torch.Tensor], whole: bool = False) -> _Groups:
     """The gradients' local pieces as flat runs, by device and the groups that shard them.
 
     The process groups are those of the mesh axes that shard a gradient (none for a plain
     tensor or a replicated axis): its local norm is reduced over them. The entries come in
     the parameters' order, the same on every rank, so that their collectives pair up.
+    `whole`: one piece per gradient instead of runs (what the 0-norm counts).
+
+    Raises:
+        ValueError: A gradient is Partial (a sum still pending over an axis), whose local
+            norm is not a shard's.
     """
     keys = norm_keys(grads)
     if not keys:  # a pipeline stage without gradients
@@ -120,6 +131,14 @@ def _flat_groups(grads: list[torch.Tensor]) -> _Groups:
         key = keys[lo]
         where_by = reduced_by.get(id(key))
         if where_by is None:
+            if is_partial_key(key):
+                placements = getattr(grads[lo], "placements", None)
+                raise ValueError(
+                    f"clip_grad_norm_: gradient {lo} is a DTensor with placements "
+                    f"{placements}: a Partial gradient's local piece is a summand, not a "
+                    f"shard; reduce it first (grad.redistribute(placements=[Replicate() "
+                    f"for Partial])) or clip before it becomes Partial"
+                )
             where, axes = key
             over: tuple[dist.ProcessGroup, ...] = ()
             if isinstance(where, DeviceMesh):
@@ -128,8 +147,19 @@ def _flat_groups(grads: list[torch.Tensor]) -> _Groups:
         # Runs of adjacent pieces within the stretch. In the parameters' order: `fully_shard`
         # lays a group's parameters out in that order, and a run that order cuts is still
         # right, only one more norm.
-        groups.setdefault(where_by, []).extend(run.flat for run in flat_runs(grads[lo:hi]))
+        pieces = local_pieces(grads[lo:hi]) if whole else [r.flat for r in flat_runs(grads[lo:hi])]
+        groups.setdefault(where_by, []).extend(pieces)
     return groups
+
+
+def _nonzero_tensors(
+    pieces: list[torch.Tensor], groups: tuple[dist.ProcessGroup, ...]
+) -> torch.Tensor:
+    """How many of the gradients (one local piece each) have a non-zero element anywhere."""
+    counts = torch.stack([torch.count_nonzero(piece) for piece in pieces]).double()
+    for group in groups:
+        dist.all_reduce(counts, group=group)
+    return (counts > 0).sum().to(pieces[0].dtype)
 
 
 def _local_norm(flats: list[torch.Tensor], p: float) -> torch.Tensor:

@@ -70,7 +70,7 @@ import torch.distributed as dist
 import torch.distributed.fsdp as torch_fsdp
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Replicate
+from torch.distributed.tensor.placement_types import Partial, Replicate
 from torch.profiler import record_function
 from torch.utils import _pytree as pytree
 
@@ -418,5 +418,20 @@ def _interned(
         if pair not in _INTERNED:
             kinds = pair[1]
             axes = tuple(i for i, kind in enumerate(kinds) if not issubclass(kind, Replicate))
-            _INTERNED[pair] = (where, axes)
+            key = _INTERNED[pair] = (where, axes)
+            if any(issubclass(kind, Partial) for kind in kinds):
+                _PARTIAL_KEYS[id(key)] = key
     return list(map(_INTERNED.__getitem__, pairs))
+
+
+_PARTIAL_KEYS: dict[int, NormKey] = {}  # keys of DTensors with a Partial axis (pending sums)
+
+
+def is_partial_key(key: NormKey) -> bool:
+    """Whether a `norm_keys` key is that of a DTensor with a Partial placement.
+
+    Example:
+        >>> is_partial_key(norm_keys([torch.zeros(2)])[0])
+        False
+    """
+    return _PARTIAL_KEYS.get(id(key)) is key
