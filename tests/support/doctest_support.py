@@ -46,10 +46,28 @@ def readme_example(readme: pathlib.Path) -> str:
     return str(blocks[0])
 
 
-def run_readme_example(readme: pathlib.Path, tmp: pathlib.Path, nproc: int = 1) -> str:
-    """Runs the README's first example alone (nproc 1) or under torchrun; returns stdout."""
+def readme_section(readme: pathlib.Path, title: str) -> str:
+    """Every ```python block of a README's section `## title`, in order, as one script."""
+    text = readme.read_text()
+    start = text.find(f"\n## {title}\n")
+    if start < 0:
+        raise AssertionError(f"{readme} has no section {title!r}")
+    end = text.find("\n## ", start + 1)
+    blocks = re.findall(r"```python\n(.*?)```", text[start : end if end > 0 else None], re.DOTALL)
+    if not blocks:
+        raise AssertionError(f"{readme}'s section {title!r} has no python example")
+    return "\n".join(blocks)
+
+
+def run_readme_example(
+    readme: pathlib.Path, tmp: pathlib.Path, nproc: int = 1, section: str | None = None
+) -> str:
+    """Runs the README's first example (or a section's blocks) alone (nproc 1) or under
+    torchrun, in `tmp`; returns stdout."""
     script = tmp / "readme_example.py"
-    script.write_text(readme_example(readme))
+    script.write_text(
+        readme_example(readme) if section is None else readme_section(readme, section)
+    )
     with socket.socket() as sock:  # a free port for the rendezvous
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
@@ -70,6 +88,7 @@ def run_readme_example(readme: pathlib.Path, tmp: pathlib.Path, nproc: int = 1) 
         text=True,
         timeout=300,
         env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+        cwd=tmp,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout

@@ -160,16 +160,14 @@ def check_load_state_dict_assign() -> None:
     # Refusals: a different dtype, a DTensor of another layout, part of a meta group.
     wrong_dtype = {**full, "head.weight": full["head.weight"].double()}
     expect_error(ValueError, lambda: other.load_state_dict(wrong_dtype, assign=True), "float64")
-    replicated = {
-        **full,
-        "head.weight": distribute_tensor(
-            full["head.weight"], mesh, [torch.distributed.tensor.Replicate()]
-        ),
-    }
-    if dist.get_world_size() > 1:
-        expect_error(
-            ValueError, lambda: other.load_state_dict(replicated, assign=True), "placements"
-        )
+    replicate = [torch.distributed.tensor.Replicate()]
+    # A DTensor on the parameter's mesh with other placements is redistributed to its own.
+    replicated = {**full, "head.weight": distribute_tensor(full["head.weight"], mesh, replicate)}
+    other.load_state_dict(replicated, assign=True)
+    torch.testing.assert_close(other(tokens), expected)
+    flat = init_device_mesh("cpu", (1, dist.get_world_size()))  # another mesh: refused
+    elsewhere = {**full, "head.weight": distribute_tensor(full["head.weight"], flat, replicate * 2)}
+    expect_error(ValueError, lambda: other.load_state_dict(elsewhere, assign=True), "placements")
     partial, shards = _meta_model_and_its_shards(mesh, full)
     del shards["head.weight"]
     partial.load_state_dict(shards, assign=True, strict=False)

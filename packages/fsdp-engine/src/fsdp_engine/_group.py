@@ -105,6 +105,7 @@ class _Reduction:
     """A reduce issued whose gradients are not handed out yet (the buffers own its works)."""
 
     saved: dict[DBuffer, torch.Tensor]  # local_grad before the reduce, to add back
+    buffers: list[DBuffer]  # the reduced ones: those holding a parameter that requires grad
     finished: bool = False  # waited for, HSDP all-reduced, hooks run
 
 
@@ -220,6 +221,14 @@ class ParamGroup:
                 param.unsharded = nn.Parameter(full, requires_grad=param.requires_grad)
                 param.compute_dtype = dtype
         for slots, attr, param in self._slots:
+            held = slots[attr]
+            if held is not param.sharded and held is not param.unsharded:
+                raise RuntimeError(
+                    f"fully_shard: {self.label}'s parameter {param.name!r} was replaced by a "
+                    f"new tensor after the first forward; assign it before the first forward "
+                    f"(it is adopted then), or write into it in place (with torch.no_grad(): "
+                    f"param.copy_(value)) or load_state_dict(...)"
+                )
             slots[attr] = param.unsharded
         for slots, attr, subclass_param in self._subclass_slots:
             slots[attr] = subclass_param.gathered()
@@ -289,13 +298,20 @@ class ParamGroup:
         saved part is added back once the reduce is done.
         """
         received = self._received
-        for buffer, members in self.members.items():
+        # A buffer of frozen parameters only has no gradient to reduce (and an integer one
+        # could not be averaged); requires_grad is the model's, the same on every rank.
+        trainable = {
+            buffer: members
+            for buffer, members in self.members.items()
+            if any(p.sharded.requires_grad for p in members)
+        }
+        for buffer, members in trainable.items():
             if received.isdisjoint(members):
                 # No gradient reached this buffer on this rank; it still takes part in the
                 # collective (other ranks may have some), with zeros.
                 buffer.full_grad(buffer.names[0])
         saved: dict[DBuffer, torch.Tensor] = {}
-        for buffer, all_members in self.members.items():
+        for buffer, all_members in trainable.items():
             members = [p for p in all_members if p.sharded.requires_grad]
             kept = [p for p in members if p.sharded.grad is not None]
             if kept:
@@ -309,7 +325,7 @@ class ParamGroup:
         # With a factor: gradients divided once by it, then summed over both mesh axes.
         self._reduce_op = "sum" if summed else "avg"
         with profiler_range(f"FSDP::reduce_scatter({self.label})"):
-            for buffer in self.buffers:
+            for buffer in trainable:
                 factor = config.divide_factor
                 if factor is None and summed:
                     factor = float(_data_parallel_size(buffer))
@@ -321,7 +337,7 @@ class ParamGroup:
                     reduce_dtype=reduce_dtype,
                     async_op=async_op,
                 )
-        self._reduction = _Reduction(saved)
+        self._reduction = _Reduction(saved, list(trainable))
 
     def wait_for_reduce(self, config: GroupConfig) -> None:
         """Waits for the reduce-scatter and finishes the group's reduction.
@@ -332,7 +348,7 @@ class ParamGroup:
         reduction = self._reduction
         if reduction is None or reduction.finished:
             return
-        for buffer in self.buffers:
+        for buffer in reduction.buffers:
             with profiler_range(f"FSDP::wait_for_reduce({self.label})"):
                 buffer.wait_for_reduce()
             if config.requires_all_reduce and buffer.replicate_axis is not None:
@@ -397,7 +413,9 @@ class ParamGroup:
                 hook(sharded)
 
 
-def adopt_assigned(group: ParamGroup, modules: set[nn.Module]) -> None:
+def adopt_assigned(
+    group: ParamGroup, modules: set[nn.Module], source: str = "load_state_dict(assign=True)"
+) -> None:
     """Takes in the values `load_state_dict(assign=True)` put in place of sharded parameters.
 
     nn.Module's assign replaces the registered parameter objects, but the group's parameters
@@ -412,9 +430,10 @@ def adopt_assigned(group: ParamGroup, modules: set[nn.Module]) -> None:
     Args:
         group: The group whose modules were loaded.
         modules: The modules whose parameters the load has reached (a subtree).
+        source: What put the tensors in place, for errors.
     """
     assigned = [
-        (slots, attr, param, _assigned_values(param, slots[attr]))
+        (slots, attr, param, _assigned_values(param, slots[attr], source))
         for slots, attr, param in group.slots_in(modules)
         if slots[attr] is not param.sharded and slots[attr] is not param.unsharded
     ]
@@ -447,21 +466,27 @@ def sharded_param(param: ManagedParam) -> DTensor:
     return sharded
 
 
-def _assigned_values(param: ManagedParam, new: object) -> torch.Tensor:
-    """This rank's piece of the tensor assigned to `param`, checked against its layout."""
+def _assigned_values(param: ManagedParam, new: object, source: str) -> torch.Tensor:
+    """This rank's piece of the tensor assigned to `param`, checked against its layout.
+
+    A DTensor on the parameter's mesh with other placements is redistributed to them (one
+    collective, on every rank alike: the assignment is the same program on every rank).
+    """
     sharded = sharded_param(param)
     if not isinstance(new, torch.Tensor):
-        raise TypeError(f"load_state_dict assigned a {type(new).__name__} to {param.name!r}")
+        raise TypeError(f"{source} assigned a {type(new).__name__} to {param.name!r}")
     if new.dtype != sharded.dtype:
         raise ValueError(
-            f"load_state_dict(assign=True) gives {param.name!r} dtype {new.dtype}, but "
+            f"{source} gives {param.name!r} dtype {new.dtype}, but "
             f"fully_shard's group holds it in {sharded.dtype}: cast the state dict first, or "
             f"load with assign=False"
         )
     if isinstance(new, DTensor):
+        if new.device_mesh == sharded.device_mesh and new.shape == sharded.shape:
+            new = new.redistribute(sharded.device_mesh, sharded.placements)
         if not same_layout(new, sharded):
             raise ValueError(
-                f"load_state_dict(assign=True) gives {param.name!r} as a DTensor of shape "
+                f"{source} gives {param.name!r} as a DTensor of shape "
                 f"{tuple(new.shape)} with placements {tuple(new.placements)}; the sharded "
                 f"parameter is {tuple(sharded.shape)} with {tuple(sharded.placements)} on its "
                 f"mesh: build it with distribute_tensor(full, mesh, those placements), or pass "
@@ -470,7 +495,7 @@ def _assigned_values(param: ManagedParam, new: object) -> torch.Tensor:
         return new.to_local()
     if new.shape != sharded.shape or param.parallel is not None:
         raise ValueError(
-            f"load_state_dict(assign=True) gives {param.name!r} a tensor of shape "
+            f"{source} gives {param.name!r} a tensor of shape "
             f"{tuple(new.shape)}; expected the full {tuple(sharded.shape)}"
             + (" as a DTensor (it is tensor parallel)" if param.parallel is not None else "")
         )
@@ -488,10 +513,20 @@ def same_layout(a: DTensor, b: DTensor) -> bool:
 
 
 _PROCESS_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+# The default group the cached ones were made under (held, so its identity is not reused).
+_MADE_UNDER: list[object] = [None]
 
 
 def _process_group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
-    """A process group of `ranks`, made once (by its members only) and then reused."""
+    """A process group of `ranks`, made once (by its members only) and then reused.
+
+    Made again after the default group was destroyed and created anew (a process that
+    re-initializes torch.distributed): the cached ones died with the old one.
+    """
+    world = dist.group.WORLD
+    if _MADE_UNDER[0] is not world:
+        _PROCESS_GROUPS.clear()
+        _MADE_UNDER[0] = world
     group = _PROCESS_GROUPS.get(ranks)
     if group is None:
         made = dist.new_group(list(ranks), use_local_synchronization=True)

@@ -87,11 +87,8 @@ class AdamW8bit(StepOptimizer):
         fused: Fused = None,
     ) -> None:
         self._kernel = BlockwiseKernel(fused)
-        if (
-            isinstance(min_8bit_numel, bool)
-            or not isinstance(min_8bit_numel, int)
-            or min_8bit_numel < 0
-        ):
+        value: object = min_8bit_numel  # callers may pass anything; check before use
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(
                 f"min_8bit_numel must be an int >= 0 (0: every 2-D parameter 8-bit), got "
                 f"{min_8bit_numel!r}"
