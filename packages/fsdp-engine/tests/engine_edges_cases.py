@@ -30,31 +30,45 @@ class Gather(nn.Module):
 
 
 def check_integer_frozen_parameter(mixed: bool) -> dict[str, list[float]]:
-    """Trains 3 steps with ours and FSDP2: the same losses, the integers kept exactly."""
+    """Trains 3 steps: ours equals one process (and FSDP2, on a torch whose FSDP2 shards
+    integer parameters: 2.10's wraps them in a Parameter that requires grad and fails)."""
     policy = MixedPrecisionPolicy()
     if mixed:
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     losses: dict[str, list[float]] = {}
-    for engine, shard in ENGINES.items():
+    for engine in ("one process", *ENGINES):
         torch.manual_seed(0)
         model = nn.Sequential(Gather(), Gather())
-        for block in model:
-            shard(block, mp_policy=policy)
-        shard(model, mp_policy=policy)
+        if engine != "one process":
+            try:
+                for block in model:
+                    ENGINES[engine](block, mp_policy=policy)
+                ENGINES[engine](model, mp_policy=policy)
+            except RuntimeError as exc:  # FSDP2 on torch 2.10
+                assert engine == "fsdp2" and "floating point" in str(exc), exc
+                continue
+        elif mixed:
+            model.to(torch.bfloat16)  # what the gathered parameters compute in
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        gen = torch.Generator().manual_seed(dist.get_rank())
+        gen = torch.Generator().manual_seed(1)  # the same rows on every rank
         losses[engine] = []
         for _ in range(3):
-            loss = model(torch.randn(4, 6, generator=gen)).float().pow(2).mean()
+            rows = torch.randn(4, 6, generator=gen)
+            loss = model(rows.to(torch.bfloat16) if mixed and engine == "one process" else rows)
+            loss = loss.float().pow(2).mean()
             loss.backward()
             opt.step()
             opt.zero_grad()
             losses[engine].append(loss.item())
         order = model[1].order
         assert order.dtype == torch.int64 and not order.requires_grad, engine
-        assert order.full_tensor().tolist() == [5, 0, 3, 1, 4, 2], engine
-        assert model[1].order.grad is None, engine
-    torch.testing.assert_close(losses["ours"], losses["fsdp2"], rtol=1e-5, atol=1e-6)
+        full = order.full_tensor() if engine != "one process" else order
+        assert full.tolist() == [5, 0, 3, 1, 4, 2], engine
+        assert order.grad is None, engine
+    tolerance = {"rtol": 2e-2, "atol": 1e-3} if mixed else {"rtol": 1e-5, "atol": 1e-6}
+    torch.testing.assert_close(losses["ours"], losses["one process"], **tolerance)
+    if "fsdp2" in losses:
+        torch.testing.assert_close(losses["ours"], losses["fsdp2"], rtol=1e-5, atol=1e-6)
     return losses
 
 

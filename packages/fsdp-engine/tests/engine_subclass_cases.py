@@ -225,7 +225,9 @@ def check_nf4_gather_bytes() -> dict[str, Any]:
     counts = {}
     for key, nf4 in (("bf16", False), ("nf4", True)):
         model = _shard(_model(nf4=nf4), "ours", mesh, mp_policy=bf16)
-        counts[key] = gathered_bytes(lambda m=model: m(batch).float().pow(2).mean().backward())
+        step = lambda m=model: m(batch).float().pow(2).mean().backward()  # noqa: E731
+        step()  # lazy init (and its one check that the ranks built the same model) first
+        counts[key] = gathered_bytes(step)
     # NF4 by its format: per 64 weights 32 bytes of codes and a 1-byte scale, per 256 scales
     # a 4-byte factor (128 bytes per 64 weights in bf16); the adapters and norms in bf16 from
     # their DBuffers (padding included). Each is gathered in forward and again in backward.

@@ -80,7 +80,11 @@ class TrackedState(defaultdict[torch.Tensor, Any]):
     Example:
         >>> state = TrackedState()
         >>> p = torch.zeros(2)
-        >>> state[p]["exp_avg"] = torch.ones(2)  # first access makes p's entry
+        >>> state.changed = False
+        >>> _ = state[p]  # reading makes p's empty entry: no edit
+        >>> state.changed
+        False
+        >>> state[p]["exp_avg"] = torch.ones(2)
         >>> state.changed
         True
         >>> state.changed = False
@@ -96,6 +100,12 @@ class TrackedState(defaultdict[torch.Tensor, Any]):
 
     def _new_entry(self) -> TrackedEntry:
         return TrackedEntry(owner=self)
+
+    def __missing__(self, param: torch.Tensor) -> TrackedEntry:
+        # Reading a parameter without state makes its empty entry: no edit (empty is none).
+        entry = self._new_entry()
+        dict.__setitem__(self, param, entry)
+        return entry
 
     def _own(self, entry: Any) -> Any:
         if isinstance(entry, TrackedEntry) and entry.owner is self:
