@@ -16,11 +16,41 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_engine._compat import all_gather_single
+from fsdp_engine._group import ParamGroup
 
 Entry = tuple[str, tuple[int, ...], str]  # name, global shape, dtype
+
+
+def check_groups_agree(
+    root_modules: Sequence[nn.Module], groups: Sequence[tuple[nn.Module, ParamGroup]]
+) -> None:
+    """The root's check: its groups' parameters, named from the root, over its first mesh.
+
+    Args:
+        root_modules: The root's module(s), whose `named_modules()` name the groups.
+        groups: Each group under the root with its (first) module.
+    """
+    held = [(module, group) for module, group in groups if group.buffers]
+    if not held:
+        return
+    names = {id(m): n for root in root_modules for n, m in root.named_modules()}
+    entries = []
+    for module, group in held:
+        prefix = names.get(id(module), group.label)
+        for p in group.params:
+            name = f"{prefix}.{p.name}" if prefix else p.name
+            entries.append((name, tuple(p.sharded.shape), str(p.sharded.dtype)))
+    first = held[0][1].buffers[0]
+    if first.device.type == "meta":  # not materialized: forward refuses it anyway
+        return
+    axes = [first.shard_axis]
+    if first.replicate_axis is not None:
+        axes.append(first.replicate_axis)
+    check_same_model(entries, first.mesh, axes, first.device)
 
 
 def check_same_model(

@@ -37,33 +37,10 @@ from fsdp_engine._compat import (
 )
 from fsdp_engine._config import GroupConfig, RootSettings, SettingsChange
 from fsdp_engine._group import ParamGroup, adopt_assigned, used_anywhere
-from fsdp_engine._same_model import check_same_model
+from fsdp_engine._same_model import check_groups_agree
 from fsdp_engine._spmd import refuse_spmd_type_checking
 
 STATE_ATTR = "_fsdp_engine_state"  # where fully_shard keeps a module's FSDPState
-
-
-def _check_same_model(root: FSDPState, states: list[FSDPState]) -> None:
-    """Every rank of the root's mesh built the same parameters (one collective per axis)."""
-    held = [state for state in states if state.group is not None and state.group.buffers]
-    if not held:
-        return
-    names = {id(m): n for root_module in root.modules for n, m in root_module.named_modules()}
-    entries = []
-    for state in held:
-        assert state.group is not None
-        prefix = names.get(id(state.modules[0]), state.group.label)
-        for p in state.group.params:
-            name = f"{prefix}.{p.name}" if prefix else p.name
-            entries.append((name, tuple(p.sharded.shape), str(p.sharded.dtype)))
-    assert held[0].group is not None
-    first = held[0].group.buffers[0]
-    if first.device.type == "meta":  # not materialized: forward refuses it anyway
-        return
-    axes = [first.shard_axis]
-    if first.replicate_axis is not None:
-        axes.append(first.replicate_axis)
-    check_same_model(entries, first.mesh, axes, first.device)
 
 
 class TrainingState(enum.Enum):
@@ -301,7 +278,9 @@ class FSDPState:
             for change in state.pending_settings:
                 context.settings = change(context.settings)
             state.pending_settings.clear()
-        _check_same_model(self, states)
+        check_groups_agree(
+            self.modules, [(s.modules[0], s.group) for s in states if s.group is not None]
+        )
         for state in states:
             if state.group is not None:  # parameters a user assigned since fully_shard
                 modules = {module for p in state.group.params for module, _ in p.locations}
