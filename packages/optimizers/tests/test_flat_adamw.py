@@ -101,6 +101,16 @@ def _train(kwargs: dict, groups_of, steps: int = 5, skips=None, replace_at=None)
         assert torch.equal(shared.storage[shared.padding], shared.padding_values), "padding"
 
 
+def _step_both(shared: Shared, theirs, ours, torchs, step: int) -> None:
+    """One step of both optimizers on the same gradients (ours' in the shared storage)."""
+    grads = _grads(SHAPES, step)
+    shared.set_grads(grads)
+    for q, g in zip(theirs, grads, strict=True):
+        q.grad = g.clone()
+    ours.step()
+    torchs.step()
+
+
 def _one_group(params):
     return params
 
@@ -186,12 +196,7 @@ def test_state_dicts_cross_load_with_torch() -> None:
     from_torch = AdamW(_interleaved_groups(shared.params), lr=1.0)
     from_torch.load_state_dict(torchs.state_dict())
     for step in range(2, 4):
-        grads = _grads(SHAPES, step)
-        shared.set_grads(grads)
-        for q, g in zip(theirs, grads, strict=True):
-            q.grad = g.clone()
-        from_torch.step()
-        from_ours.step()
+        _step_both(shared, theirs, from_torch, from_ours, step)
         _assert_same(from_torch, from_ours, shared.params, theirs)
     # What a checkpoint holds is each parameter's own state, without the padding.
     state = from_torch.state_dict()["state"]
@@ -327,12 +332,7 @@ def test_user_edits_of_state_are_followed_as_torch_adamw(edit: str) -> None:
         if step == 3:
             STATE_EDITS[edit](ours, shared.params)
             STATE_EDITS[edit](torchs, theirs)
-        grads = _grads(SHAPES, step)
-        shared.set_grads(grads)
-        for q, g in zip(theirs, grads, strict=True):
-            q.grad = g.clone()
-        ours.step()
-        torchs.step()
+        _step_both(shared, theirs, ours, torchs, step)
         _assert_same(ours, torchs, shared.params, theirs)
         ours_sd, torch_sd = ours.state_dict(), torchs.state_dict()
         # torch's keeps insertion order; ours the parameters' (the same on every rank).
@@ -380,12 +380,7 @@ def test_tensor_lr_steps_as_torch_without_foreach() -> None:
     ours = AdamW(shared.params, lr=torch.tensor(0.01))
     torchs = torch.optim.AdamW(theirs, lr=torch.tensor(0.01))  # torch: foreach off
     for step in range(3):
-        grads = _grads(SHAPES, step)
-        shared.set_grads(grads)
-        for q, g in zip(theirs, grads, strict=True):
-            q.grad = g.clone()
-        ours.step()
-        torchs.step()
+        _step_both(shared, theirs, ours, torchs, step)
         _assert_same(ours, torchs, shared.params, theirs)
     with pytest.raises(ValueError, match=r"param_groups\[0\] has a tensor lr and foreach=True"):
         AdamW(shared.params, lr=torch.tensor(0.01), foreach=True)
