@@ -402,17 +402,145 @@ def check_mixed_precision_casts() -> None:
         torch.testing.assert_close(grad, runs["fsdp2"][2][name], msg=name)
 
 
-def check_param_dtype_override_is_refused() -> None:
-    """torch 2.15's per-parameter `param_dtype_override_fn`: refused by name, not ignored."""
+def _keep_norms(param: torch.Tensor) -> torch.dtype | None:
+    """Norm weights (1-D) keep their own dtype; everything else takes param_dtype."""
+    return param.dtype if param.dim() == 1 else None
+
+
+class _Norm(nn.Module):
+    """RMSNorm as Llama's: computed in fp32, returned in its input's dtype."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = x.float()
+        wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (wide * self.weight).to(x.dtype)
+
+
+class _NormBlock(nn.Module):
+    def __init__(self, dim: int = 12) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, 2 * dim, bias=False)  # 1-D parameters: the norms only
+        self.norm = _Norm(2 * dim)
+        self.down = nn.Linear(2 * dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.norm(self.up(x))))
+
+
+def _train_norm_model(shard: Any, steps: int = 3) -> tuple[list[float], dict[str, torch.dtype]]:
+    """Two blocks with norms, sharded by `shard(model)`, trained `steps` AdamW steps on this
+    rank's rows; the losses and the dtype each parameter had in the first forward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_NormBlock(), _NormBlock())
+    shard(model)
+    seen: dict[str, torch.dtype] = {}
+    hooks = [
+        module.register_forward_pre_hook(
+            lambda mod, _args, prefix=prefix: seen.update(
+                {f"{prefix}.{n}": p.dtype for n, p in mod.named_parameters(recurse=False)}
+            )
+        )
+        for prefix, module in model.named_modules()
+        if any(True for _ in module.parameters(recurse=False))
+    ]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    world, rank = dist.get_world_size(), dist.get_rank()
+    for step in range(steps):
+        x = _batch(step, world)[rank * ROWS : (rank + 1) * ROWS]
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        for hook in hooks if step == 0 else ():
+            hook.remove()
+    return losses, seen
+
+
+def check_param_dtype_override(source: str) -> dict[str, Any]:
+    """Norms kept in fp32 inside bf16 groups: through fully_shard's argument (any torch) or
+    torch 2.15's MixedPrecisionPolicy field. Equal to the norms in fp32 groups of their own
+    (the same arithmetic), and to FSDP2 with the same policy where torch has the field."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    has_field = "param_dtype_override_fn" in MixedPrecisionPolicy.__dataclass_fields__
+    in_policy = (
+        MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16,
+            reduce_dtype=torch.float32,
+            param_dtype_override_fn=_keep_norms,
+        )
+        if has_field
+        else None
+    )
+
+    def overridden(model: nn.Module) -> None:
+        for layer in model:
+            if source == "policy":
+                fully_shard(layer, mesh=mesh, mp_policy=in_policy)
+            else:
+                fully_shard(layer, mesh=mesh, mp_policy=bf16, param_dtype_override_fn=_keep_norms)
+            assert len(layer._fsdp_engine_state.group.buffers) == 2  # one gather per dtype
+        fully_shard(model, mesh=mesh, mp_policy=bf16)
+
+    def separate(model: nn.Module) -> None:
+        for layer in model:
+            fully_shard(layer.norm, mesh=mesh)  # fp32, no casts
+            fully_shard(layer, mesh=mesh, mp_policy=bf16)
+        fully_shard(model, mesh=mesh, mp_policy=bf16)
+
+    losses, seen = _train_norm_model(overridden)
+    assert len(seen) == 6, seen  # 2 blocks x (up, norm, down)
+    for name, dtype in seen.items():
+        kept = name.endswith("norm.weight")
+        assert dtype == (torch.float32 if kept else torch.bfloat16), (name, dtype)
+    apart, _ = _train_norm_model(separate)
+    torch.testing.assert_close(losses, apart, rtol=1e-5, atol=0)
+    result: dict[str, Any] = {"ours": losses, "apart": apart}
+    if has_field:
+
+        def torch_overridden(model: nn.Module) -> None:
+            for layer in model:
+                torch_fully_shard(layer, mesh=mesh, mp_policy=in_policy)
+            torch_fully_shard(model, mesh=mesh, mp_policy=bf16)
+
+        result["fsdp2"], theirs_seen = _train_norm_model(torch_overridden)
+        assert theirs_seen == seen, (theirs_seen, seen)
+        torch.testing.assert_close(losses, result["fsdp2"], rtol=2e-3, atol=0)
+    return result
+
+
+def check_param_dtype_override_bad_input() -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    policy = MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16, param_dtype_override_fn=lambda p: torch.float32
-    )
-    model = nn.Linear(4, 4)
-    expect_error(
-        NotImplementedError,
-        lambda: fully_shard(model, mesh=mesh, mp_policy=policy),
-        "param_dtype_override_fn",
-    )
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for fn, error, match in [
+        (lambda p: torch.float16, ValueError, r"returned torch.float16 for 'weight'"),
+        (lambda p: "fp32", ValueError, r"must return a torch.dtype or None; for 'weight'"),
+        ("fp32", TypeError, "param_dtype_override_fn must be callable"),
+    ]:
+        expect_error(
+            error,
+            lambda fn=fn: fully_shard(
+                nn.Linear(4, 4), mesh=mesh, mp_policy=bf16, param_dtype_override_fn=fn
+            ),
+            match,
+        )
+    if "param_dtype_override_fn" in MixedPrecisionPolicy.__dataclass_fields__:
+        both = MixedPrecisionPolicy(param_dtype=torch.bfloat16, param_dtype_override_fn=_keep_norms)
+        expect_error(
+            ValueError,
+            lambda: fully_shard(
+                nn.Linear(4, 4), mesh=mesh, mp_policy=both, param_dtype_override_fn=_keep_norms
+            ),
+            "both as its argument and in mp_policy",
+        )

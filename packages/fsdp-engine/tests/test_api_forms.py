@@ -42,9 +42,14 @@ def test_mixed_precision_casts_as_fsdp2(pools, world) -> None:
     pools[world].run(cases.check_mixed_precision_casts)
 
 
-@pytest.mark.skipif(
-    "param_dtype_override_fn" not in torch_fsdp.MixedPrecisionPolicy.__dataclass_fields__,
-    reason="param_dtype_override_fn came with torch 2.15",
-)
-def test_param_dtype_override_is_refused(pools) -> None:
-    pools[1].run(cases.check_param_dtype_override_is_refused)
+@pytest.mark.parametrize("world", [1, 3])
+def test_param_dtype_override_keeps_norms_in_fp32(pools, world) -> None:
+    # fully_shard's own argument on every torch; torch 2.15's MixedPrecisionPolicy field
+    # where it exists (compared with FSDP2 running it).
+    sources = ["argument"]
+    if "param_dtype_override_fn" in torch_fsdp.MixedPrecisionPolicy.__dataclass_fields__:
+        sources.append("policy")
+    for source in sources:
+        result = pools[world].run(cases.check_param_dtype_override, source)[0]
+        print(source, {k: [round(x, 5) for x in v] for k, v in result.items()})
+    pools[1].run(cases.check_param_dtype_override_bad_input)

@@ -24,6 +24,7 @@ from fsdp_engine._compat import (
     set_fully_shard_state,
 )
 from fsdp_engine._config import GroupConfig
+from fsdp_engine._device import target_device
 from fsdp_engine._gather_format import GatherFormatArg, resolve_gather_formats
 from fsdp_engine._group import (
     Location,
@@ -33,6 +34,7 @@ from fsdp_engine._group import (
     adopt_assigned,
 )
 from fsdp_engine._module import FSDPModule, state_of
+from fsdp_engine._param_dtypes import OverrideFn, compute_dtypes, override_fn
 from fsdp_engine._spmd import SpmdMesh
 from fsdp_engine._state import STATE_ATTR, FSDPState
 from fsdp_engine._subclass import SubclassParam, gathers_itself
@@ -71,6 +73,7 @@ class _ShardOptions(TypedDict, total=False):
     block_rows: BlockRowsArg
     dp_mesh_dims: Any
     gather_format: GatherFormatArg
+    param_dtype_override_fn: OverrideFn | None
 
 
 @overload
@@ -93,6 +96,7 @@ def fully_shard(
     block_rows: BlockRowsArg = None,
     dp_mesh_dims: Any = None,
     gather_format: GatherFormatArg = None,
+    param_dtype_override_fn: OverrideFn | None = None,
 ) -> nn.Module | list[nn.Module]:
     """Shards `module`'s parameters (those no nested call took) into one group, as FSDP2 does.
 
@@ -137,6 +141,9 @@ def fully_shard(
             dequantized into param_dtype; their block_rows default to the block's rows so
             that shards hold whole blocks. Or a function of (fqn, param) returning a
             BlockFloat8 or None (`_gather_format.py`).
+        param_dtype_override_fn: torch 2.15's `MixedPrecisionPolicy` field, on any torch
+            (here or in mp_policy): per parameter None, param_dtype or its own dtype (an fp32
+            norm among bf16 matrices). One gather per compute dtype (`_param_dtypes.py`).
 
     A frozen parameter whose class implements FSDP2's all-gather extension
     (`fsdp_pre_all_gather` / `fsdp_post_all_gather`, e.g. torchao's NF4Tensor) is sharded
@@ -159,13 +166,7 @@ def fully_shard(
     reshard: bool | int | None = _check_reshard_after_forward(reshard_after_forward)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {mp_policy!r}")
-    if getattr(mp_policy, "param_dtype_override_fn", None) is not None:  # torch 2.15+
-        raise NotImplementedError(
-            "fsdp_engine does not support MixedPrecisionPolicy.param_dtype_override_fn (one "
-            "parameter kept in its own dtype inside a group): a group gathers one buffer per "
-            "dtype in param_dtype; shard such parameters in a group of their own, with its own "
-            "mp_policy"
-        )
+    override = override_fn(mp_policy, param_dtype_override_fn)
     if isinstance(offload_policy, CPUOffloadPolicy):
         raise NotImplementedError(
             "fsdp_engine does not support CPUOffloadPolicy: parameters are views of a "
@@ -184,7 +185,8 @@ def fully_shard(
         gather_format, found.names, rows, rows_given=block_rows is not None
     )
     label = type(modules[0]).__name__
-    group = _build_group(found, rows, formats, placements, mesh, mp_policy, label)
+    dtypes = compute_dtypes(mp_policy, override, found.names)
+    group = _build_group(found, rows, formats, placements, mesh, mp_policy, label, dtypes)
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         reshard = _post_forward_parts(group, reshard_after_forward, mesh)
     state = FSDPState(modules, group, GroupConfig(reshard_after_forward=reshard), mp_policy)
@@ -469,16 +471,19 @@ def _build_group(
     mesh: DeviceMesh,
     mp_policy: MixedPrecisionPolicy,
     label: str,
+    dtypes: dict[nn.Parameter, torch.dtype | None],
 ) -> ParamGroup | None:
     if not found.names and not found.subclass:
         return None
-    device = _target_device(found, mesh)
-    # One DBuffer per (dtype, mesh and axes, gather format): experts on their own mesh apart.
+    device = target_device(found.names | found.subclass, mesh)
+    # One DBuffer per (dtype, compute dtype, mesh and axes, gather format): experts on their
+    # own mesh apart.
     by_buffer: dict[tuple[Any, ...], list[nn.Parameter]] = {}
     for param in found.names:
         where = placements[param]
         fmt = formats.get(found.names[param])
-        key = (param.dtype, id(where.mesh), where.shard_axis, where.replicate_axis, fmt)
+        axes = (id(where.mesh), where.shard_axis, where.replicate_axis)
+        key = (param.dtype, dtypes[param], *axes, fmt)
         by_buffer.setdefault(key, []).append(param)
     buffers: dict[nn.Parameter, DBuffer] = {}
     for params in by_buffer.values():
@@ -509,32 +514,11 @@ def _build_group(
         for param, name in found.subclass.items()
     ]
     group = ParamGroup(managed, mesh, mp_policy, label, subclass_params)
+    group.compute_dtypes = {buffers[p]: dtype for p, dtype in dtypes.items()}
     for param in [*found.names, *found.subclass]:
         _record_managed(param, label)
     group.reshard()  # registers the sharded parameters
     return group
-
-
-def _target_device(found: _Found, mesh: DeviceMesh) -> torch.device:
-    names = found.names | found.subclass
-    devices = {p.device for p in names}
-    if len(devices) > 1:
-        by_device = {str(d): names[next(p for p in names if p.device == d)] for d in devices}
-        raise ValueError(
-            f"fully_shard needs the group's parameters on one device; found {by_device} "
-            f"(device: first parameter on it)"
-        )
-    (device,) = devices
-    if device.type == "meta":
-        return device
-    if mesh.device_type == "cuda" and device.type == "cpu":
-        return torch.device("cuda", torch.cuda.current_device())
-    if device.type != mesh.device_type:
-        raise ValueError(
-            f"parameters are on {device} but the mesh is on {mesh.device_type}; move the "
-            f"module to the mesh's device type first"
-        )
-    return device
 
 
 def _install(module: nn.Module, state: FSDPState) -> None:

@@ -137,6 +137,8 @@ class ParamGroup:
 
     def __post_init__(self) -> None:
         self._keep_groups: dict[DBuffer, dist.ProcessGroup] = {}
+        # Per DBuffer, the dtype it is gathered in, None for its own (set by fully_shard).
+        self.compute_dtypes: dict[DBuffer, torch.dtype | None] = {}
         # Per DBuffer, its parameters in group order: the per-step loops below walk these
         # lists doing attribute work only (no Python call per parameter).
         self.members: dict[DBuffer, list[ManagedParam]] = {}
@@ -180,10 +182,8 @@ class ParamGroup:
         return self.subclass_params[0].is_unsharded
 
     def _compute_dtype(self, buffer: DBuffer) -> torch.dtype | None:
-        dtype = self.mp_policy.param_dtype
-        if dtype is None or not buffer.dtype.is_floating_point or dtype == buffer.dtype:
-            return None
-        return dtype
+        """What the buffer is gathered in: None for its own dtype (`_param_dtypes.py`)."""
+        return self.compute_dtypes.get(buffer)
 
     def unshard(self, *, async_op: bool = False) -> list[Handle]:
         """Gathers every DBuffer (a no-op while unsharded); returns the handles to wait on."""
