@@ -140,3 +140,16 @@ def check_different_models_are_named() -> str:
         dist.barrier()  # the ranks are still in step: the check's collectives paired up
         return message
     raise AssertionError("ranks with different models trained")
+
+
+def check_out_of_order_calls() -> None:
+    """fully_shard on the root, then on a block: the error says to call it bottom-up."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    fully_shard(model)
+    try:
+        fully_shard(model[0])
+    except ValueError as exc:
+        assert "'weight' is already sharded" in str(exc), exc
+        assert "call it bottom-up: each block, then the root" in str(exc), exc
+    else:
+        raise AssertionError("a block sharded after its root was taken")

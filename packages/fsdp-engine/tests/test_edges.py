@@ -45,3 +45,7 @@ def test_int_reshard_after_forward_after_the_process_group_is_created_again() ->
             assert model[0].weight.grad is not None
         finally:
             dist.destroy_process_group()
+
+
+def test_fully_shard_out_of_order_names_the_order(pools) -> None:
+    pools[1].run(cases.check_out_of_order_calls)

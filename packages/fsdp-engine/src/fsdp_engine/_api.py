@@ -353,9 +353,10 @@ def _check_param(fqn: str, param: nn.Parameter) -> bool:
     data = param.data
     if isinstance(data, DTensor) and any(isinstance(p, RaggedShard) for p in data.placements):
         raise ValueError(
-            f"parameter {fqn!r} is already sharded by fully_shard (a RaggedShard DTensor): a "
-            f"weight tied to a sharded group's parameter after fully_shard; tie weights "
-            f"before fully_shard and shard every use in one group"
+            f"parameter {fqn!r} is already sharded by fully_shard (a RaggedShard DTensor): "
+            f"fully_shard ran on a module above this one first (call it bottom-up: each "
+            f"block, then the root), or a weight was tied to a sharded parameter after "
+            f"fully_shard (tie before it, and shard every use in one group)"
         )
     outer = type(data).__name__
     if isinstance(data, DTensor):  # tensor / expert parallel: DBuffer shards its local piece
