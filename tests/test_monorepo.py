@@ -105,3 +105,93 @@ def test_helper_modules_on_pytest_pythonpath_have_unique_names() -> None:
     repeated = {name: where for name, where in owners.items() if len(where) > 1}
     assert not repeated, f"helper modules named alike in several pythonpath folders: {repeated}"
     assert "rank_pool" in owners and "dbuffer_cases" in owners, sorted(owners)
+
+
+# -- rooms: no import circle, files and functions a reader can hold -----------------------------
+
+MAX_FILE_LINES = 600
+MAX_FUNCTION_LINES = 80  # of code: the docstring does not count
+
+
+def _sources(module: str) -> dict[str, pathlib.Path]:
+    """Every module of a package by dotted name (a package's `__init__` by the package's)."""
+    folder = next(ROOT.glob(f"packages/*/src/{module}"))
+    out = {}
+    for path in sorted(folder.rglob("*.py")):
+        parts = path.relative_to(folder.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _imports(path: pathlib.Path, prefix: str) -> set[str]:
+    """Modules under `prefix` that `path` imports (type-only imports too: a design circle)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(prefix):
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith(prefix))
+    return found
+
+
+@pytest.mark.parametrize("module", [m for _, _, m in TABLE])
+def test_no_import_circle_between_a_packages_modules(module) -> None:
+    # A package's `__init__` re-exports its rooms (a facade), so imports of a package are not
+    # edges; between two rooms any import is one, type-only ones too.
+    sources = _sources(module)
+    packages = {name for name, path in sources.items() if path.name == "__init__.py"}
+    edges = {
+        name: _imports(path, module) - packages - {name}
+        for name, path in sources.items()
+        if name not in packages
+    }
+
+    def circle_from(start: str) -> list[str] | None:
+        path, seen = [start], set()
+
+        def walk(node: str) -> list[str] | None:
+            for nxt in sorted(edges.get(node, ())):
+                if nxt == start:
+                    return [*path, start]
+                if nxt not in seen:
+                    seen.add(nxt)
+                    path.append(nxt)
+                    found = walk(nxt)
+                    if found:
+                        return found
+                    path.pop()
+            return None
+
+        return walk(start)
+
+    for name in sorted(edges):
+        circle = circle_from(name)
+        assert circle is None, " -> ".join(circle)
+
+
+@pytest.mark.parametrize("module", [m for _, _, m in TABLE])
+def test_files_and_functions_stay_readable(module) -> None:
+    long_files, long_functions = [], []
+    for name, path in _sources(module).items():
+        lines = path.read_text().count("\n")
+        if lines > MAX_FILE_LINES:
+            long_files.append(f"{name} ({lines})")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            body = node.body
+            first = body[0]
+            documented = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+            start = (
+                (body[1].lineno if len(body) > 1 else first.end_lineno)
+                if documented
+                else first.lineno
+            )
+            length = (node.end_lineno or start) - start + 1
+            if length > MAX_FUNCTION_LINES:
+                long_functions.append(f"{name}.{node.name} ({length})")
+    assert not long_files, f"files over {MAX_FILE_LINES} lines: {long_files}"
+    assert not long_functions, (
+        f"functions over {MAX_FUNCTION_LINES} lines of code: {long_functions}"
+    )

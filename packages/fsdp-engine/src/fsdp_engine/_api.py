@@ -26,14 +26,9 @@ from fsdp_engine._compat import (
 from fsdp_engine._config import GroupConfig
 from fsdp_engine._device import target_device
 from fsdp_engine._gather_format import GatherFormatArg, resolve_gather_formats
-from fsdp_engine._group import (
-    Location,
-    ManagedParam,
-    ParallelSpec,
-    ParamGroup,
-    adopt_assigned,
-)
+from fsdp_engine._group import ParamGroup, adopt_assigned
 from fsdp_engine._module import FSDPModule, state_of
+from fsdp_engine._param import Location, ManagedParam, ParallelSpec
 from fsdp_engine._param_dtypes import OverrideFn, compute_dtypes, override_fn
 from fsdp_engine._spmd import SpmdMesh
 from fsdp_engine._state import STATE_ATTR, FSDPState

@@ -29,7 +29,8 @@ from fsdp_engine._compat import (
     parameter_slots,
     torch_fsdp_methods,
 )
-from fsdp_engine._group import ManagedParam, move_storage
+from fsdp_engine._group import move_storage
+from fsdp_engine._param import ManagedParam
 from fsdp_engine._state import STATE_ATTR, FSDPState, states_under
 from fsdp_engine._subclass import SubclassParam
 

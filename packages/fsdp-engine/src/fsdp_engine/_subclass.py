@@ -35,7 +35,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from dbuffer import Handle
 from fsdp_engine._compat import all_gather_single
-from fsdp_engine._group import Location, same_layout
+from fsdp_engine._param import Location, same_layout
 
 
 def gathers_itself(data: torch.Tensor) -> bool:
