@@ -195,3 +195,52 @@ def test_files_and_functions_stay_readable(module) -> None:
     assert not long_functions, (
         f"functions over {MAX_FUNCTION_LINES} lines of code: {long_functions}"
     )
+
+
+# What each package's compat module hands the rest of the package: every use of a torch
+# internal goes through these names. A new one is added here on purpose, and documented.
+COMPAT_EXPORTS = {
+    "ragged_placement._compat": [
+        "DTensorSpec", "DispatchMode", "OpOverload", "OpSchema", "OutputSharding",
+        "SUPPORTED_TORCH", "TensorMeta", "WeightedMeanPartial", "all_gather_single",
+        "are_we_tracing", "async_all_gather", "async_all_to_all", "check_torch_version",
+        "contiguous_strides", "current_mesh", "dispatch_without_handler", "rewritten_call",
+        "dtensor_locals", "dtensor_random_ops", "install", "local_of", "locals_and_specs_of",
+        "locals_of", "make_dtensor", "make_dtensors", "norm_partial", "op_arguments",
+        "process_group_from_op_arg", "redirect", "spec_of", "specs_of", "torch_version",
+    ],
+    "dbuffer._compat": [
+        "TENSOR_DATA_GET", "TENSOR_IS_VIEW", "all_gather_single", "base_of",
+        "concatenate_meshes", "foreach_add_", "foreach_copy_", "is_view", "plain_tensor_ops",
+        "profiler_range", "reduce_scatter_single", "set_version", "storage_key", "version_of",
+    ],
+    "fsdp_engine._compat": [
+        "ApplyOverride", "TorchFSDPModule", "TorchGradientReductionHandle",
+        "TorchUnshardHandle", "all_gather_single", "dtensor_spec", "flatten_axes",
+        "foreach_mul_", "foreach_norm", "fully_shard_state", "in_backward", "map_tensors",
+        "mark_fsdp_managed", "parameter_slots", "placement_result",
+        "post_accumulate_grad_hooks", "profiler_range", "queue_backward_callback",
+        "set_fully_shard_state", "torch_fsdp_methods",
+    ],
+    "ragged_optimizers._compat": [
+        "compile_options", "foreach_add_", "foreach_lerp", "foreach_lerp_", "foreach_mul_",
+        "mark_dims_dynamic",
+    ],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(COMPAT_EXPORTS))
+def test_compat_modules_export_what_is_listed_and_say_what_each_is(name) -> None:
+    pytest.importorskip("torch")
+    import importlib
+
+    module = importlib.import_module(name)
+    assert sorted(module.__all__) == sorted(COMPAT_EXPORTS[name]), sorted(module.__all__)
+    doc = module.__doc__ or ""
+    undocumented = [n for n in module.__all__ if f"`{n}" not in doc]
+    assert not undocumented, f"{name}'s docstring does not say what these are: {undocumented}"
+    # Nothing else public: the rest of the package reaches torch's internals through __all__.
+    public = {n for n, v in vars(module).items() if not n.startswith("_") and callable(v)}
+    imported = {n for n, v in vars(module).items() if getattr(v, "__module__", "") != name}
+    extra = sorted(public - set(module.__all__) - imported - {"annotations"})
+    assert not extra, f"{name} defines public names outside __all__: {extra}"

@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp_engine._compat import foreach_mul_, foreach_norm, is_partial_key, norm_keys
+from fsdp_engine._compat import foreach_mul_, foreach_norm
+from fsdp_engine._norm_keys import is_partial_key, norm_keys
 from ragged_placement import flat_runs, local_pieces
 
 

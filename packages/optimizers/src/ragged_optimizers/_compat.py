@@ -8,8 +8,9 @@
 - `mark_dims_dynamic(tensors, dims)`: `torch._dynamo.maybe_mark_dynamic`, so that one
   compilation serves every number of blocks while the block's own sizes stay constants
   (`dynamic=True` would make them symbolic too, and every index then needs a division).
-- `foreach_*`: torch's multi-tensor ops (`torch._foreach_*`, what torch.optim's foreach
-  paths run), underscored in torch though stable across the supported versions.
+- `foreach_add_`, `foreach_lerp`, `foreach_lerp_`, `foreach_mul_`: torch's multi-tensor
+  ops (`torch._foreach_*`, what torch.optim's foreach paths run), underscored in torch
+  though stable across the supported versions.
 Tested on the torch versions `ragged_placement.SUPPORTED_TORCH` names.
 """
 

@@ -6,6 +6,26 @@ process-group lookups, DTensor construction from a spec), so a torch upgrade is 
 `_patches.py` is the patch engine (one function per patched entry point, below);
 `_gloo_exit.py` an exit handler that lets gloo's worker threads finish (not a patch).
 
+The names it hands the rest of the package (`__all__`):
+- `SUPPORTED_TORCH`, `torch_version`, `check_torch_version`: the version guard (below);
+- `DTensorSpec`, `TensorMeta`, `OpSchema`, `OutputSharding`, `OpOverload`, `DispatchMode`:
+  torch's private DTensor and dispatch types, re-exported as they are (typed where needed);
+- `spec_of`, `specs_of`, `local_of`, `locals_of`, `dtensor_locals`, `locals_and_specs_of`: a
+  DTensor's `_spec` and `_local_tensor` read directly (without `to_local()`'s autograd node),
+  for one DTensor or mapped over a list in C;
+- `make_dtensor`, `make_dtensors`: DTensors from local tensors and complete specs through
+  `DTensor.__new__` alone (what torch's own APIs do);
+- `op_arguments`, `dtensor_random_ops`, `current_mesh`, `process_group_from_op_arg`: an op's
+  schema arguments, the dispatcher's random ops, the current mesh, a collective's group;
+- `norm_partial`, `WeightedMeanPartial`: the Partial placements of a vector norm (torch's
+  private `_NormPartial`) and of a mean over uneven pieces;
+- `all_gather_single`, `async_all_gather`, `async_all_to_all`: the tensor collectives under
+  their 2.13 names where torch has them, and the functional (lazily waited) ones;
+- `are_we_tracing`, `dispatch_without_handler`, `rewritten_call`, `contiguous_strides`:
+  whether torch.compile traces, an op through DTensor's dispatch with our handler lifted, an
+  output sharding whose local call takes other arguments, and row-major strides;
+- `install`, `redirect`: the patch engine (`_patches.py`).
+
 `install()` wraps these torch entry points so that DTensors with a RaggedShard placement work with
 torch's own APIs. Each wrapper checks for a RaggedShard first and otherwise calls the original
 unchanged, so DTensors without one behave exactly as before:
@@ -78,10 +98,13 @@ __all__ = [
     "TensorMeta",
     "WeightedMeanPartial",
     "all_gather_single",
+    "are_we_tracing",
     "async_all_gather",
     "async_all_to_all",
     "check_torch_version",
+    "contiguous_strides",
     "current_mesh",
+    "dispatch_without_handler",
     "dtensor_locals",
     "dtensor_random_ops",
     "install",
@@ -94,6 +117,7 @@ __all__ = [
     "op_arguments",
     "process_group_from_op_arg",
     "redirect",
+    "rewritten_call",
     "spec_of",
     "specs_of",
     "torch_version",

@@ -28,25 +28,24 @@
   registered on each parameter (torch keeps them in `_post_accumulate_grad_hooks`); autograd
   runs them on the gathered parameter's gradient, which is not the sharded one, so the engine
   runs them once the sharded `.grad` is handed out, as FSDP2 does.
-- `set_fully_shard_state(module, ...)` / `fully_shard_state(module)`: what torch's
-  `fully_shard.state(module)` returns (the private registry of torch's composable APIs), and
-  that lookup by torch's own function, even after a user rebinds
-  `torch.distributed.fsdp.fully_shard` to ours. torch 2.10-2.15.0's pipeline stages call it
-  on an FSDPModule to run its post-backward at the end of a schedule.
+- `set_fully_shard_state(module, ...)` / `fully_shard_state(module)`: torch's pipeline
+  stages drive FSDP2's private per-module state; the shim that imitates it, with its table
+  of what each torch version reads, is `_pipeline_state.py` (re-exported here).
 - `placement_result(value)`: reads torch's `ShardPlacementResult` (torch 2.13+, a private
   dataclass of `_fully_shard._fsdp_common` that `shard_placement_fn` may return to put one
   parameter on its own mesh: experts beside expert parallelism) into (placement, mesh,
   shard axis, replicate axis, and its full SPMD mesh and `DataParallelMeshDims` where
   torch 2.15 made it from those); None for anything else.
-- `norm_keys(tensors)`: reads each DTensor's `_spec` (mesh and placements) directly: the
-  public `device_mesh` / `placements` are Python properties, and `clip_grad_norm_` asks
-  every gradient every step. It remembers each spec's key by the spec's identity (a
-  DBuffer hands out the same spec objects every step).
+- `dtensor_spec(dt)`: a DTensor's `_spec` (mesh and placements) read directly: the public
+  `device_mesh` / `placements` are Python properties, and `clip_grad_norm_` asks every
+  gradient every step (`_norm_keys.py` caches what it reads).
 - `mark_fsdp_managed(module)`: the private marks torch's `fully_shard` sets on the modules
   it manages (`_is_fsdp_managed_module`, `_fsdp_use_orig_params`), which transformers and
   dynamo read.
 - `flatten_axes(mesh, names)`: `DeviceMesh._flatten`, the one way to make one axis of several
   named ones (`DataParallelMeshDims(shard=("dp_shard", "cp"))`).
+- `foreach_mul_`, `foreach_norm`: torch's multi-tensor ops (`torch._foreach_mul_`,
+  `torch._foreach_norm`), what `clip_grad_norm_` runs over the flat runs.
 - `all_gather_single`: torch.distributed's name since 2.13; before, the same collective is
   `all_gather_into_tensor` (chosen once, by which name exists).
 Tested on the torch versions `ragged_placement.SUPPORTED_TORCH` names; others are refused at
@@ -57,20 +56,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
-import itertools
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.fsdp as torch_fsdp
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Partial, Replicate
 from torch.profiler import record_function
 from torch.utils import _pytree as pytree
 
@@ -82,6 +76,7 @@ __all__ = [
     "TorchGradientReductionHandle",
     "TorchUnshardHandle",
     "all_gather_single",
+    "dtensor_spec",
     "flatten_axes",
     "foreach_mul_",
     "foreach_norm",
@@ -97,6 +92,9 @@ __all__ = [
     "set_fully_shard_state",
     "torch_fsdp_methods",
 ]
+
+# A DTensor's spec, read as an attribute (in C when mapped over a list).
+dtensor_spec = operator.attrgetter("_spec")
 
 # torch's multi-tensor ops (what clip_grad_norm_'s foreach path runs), underscored in torch.
 foreach_mul_ = torch._foreach_mul_
@@ -270,168 +268,10 @@ def torch_fsdp_methods() -> list[str]:
     )
 
 
-class _KeyProbe(dict[Any, Any]):
-    """Records the key `fully_shard.state` looks a module's state up by."""
-
-    key: Any = None
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        self.key = key
-        return default
-
-
-def _torch_fully_shard() -> Any:
-    # From its defining module: a user may have rebound `torch.distributed.fsdp.fully_shard`
-    # to ours (the drop-in swap), and the registry belongs to torch's function.
-    from torch.distributed.fsdp._fully_shard._fully_shard import fully_shard
-
-    return fully_shard
-
-
-@functools.cache
-def _fully_shard_state_key() -> Any:
-    from torch.distributed._composable.contract import STATE_KEY
-
-    module = nn.Module()
-    probe = _KeyProbe()
-    module.__dict__[STATE_KEY] = probe
-    _torch_fully_shard().state(module)
-    return STATE_KEY, probe.key
-
-
-def fully_shard_state(module: nn.Module) -> Any:
-    """`torch.distributed.fsdp.fully_shard.state(module)`, looked up by torch's own function."""
-    return _torch_fully_shard().state(module)
-
-
-class _GroupView:
-    """One FSDP state as torch's pipeline stage sees it: `._fsdp_param_group(s)`."""
-
-    def __init__(self, post_backward: Callable[[], None] | None) -> None:
-        self._post_backward = post_backward
-        self._fsdp_param_group = self if post_backward is not None else None  # torch 2.10
-        self._fsdp_param_groups = [self] if post_backward is not None else []  # 2.11-2.14
-
-    def post_backward(self) -> None:
-        assert self._post_backward is not None
-        self._post_backward()
-
-
-class _StateView:
-    """`fully_shard.state(root)` as torch 2.10-2.15.0's pipeline stages use it."""
-
-    def __init__(
-        self,
-        post_backwards: Callable[[], list[Callable[[], None] | None]],
-        final_callback: Callable[[], None],
-    ) -> None:
-        self._post_backwards = post_backwards
-        self._root_post_backward_final_callback = final_callback
-
-    @property
-    def _state_ctx(self) -> SimpleNamespace:
-        # torch's FSDPStateContext, of which the stage reads `all_states` only.
-        return SimpleNamespace(all_states=[_GroupView(fn) for fn in self._post_backwards()])
-
-
-def set_fully_shard_state(
-    module: nn.Module,
-    post_backwards: Callable[[], list[Callable[[], None] | None]],
-    final_callback: Callable[[], None],
-) -> None:
-    """Makes `torch.distributed.fsdp.fully_shard.state(module)` drive ours.
-
-    Args:
-        module: A module fully_shard applied to.
-        post_backwards: Returns, for every FSDP state under the module's root, its
-            post-backward (None for a state without parameters).
-        final_callback: What runs at the end of backward (wait for the reduces, hand out
-            the gradients, reset the iteration).
-    """
-    state_key, key = _fully_shard_state_key()
-    module.__dict__.setdefault(state_key, {})[key] = _StateView(post_backwards, final_callback)
-
-
 check_torch_version("fsdp_engine")
 
-
-NormKey = tuple[object, tuple[int, ...]]  # (mesh or device, the mesh axes that shard)
-
-_SPEC = operator.attrgetter("_spec")
-_MESH = operator.attrgetter("mesh")
-_PLACEMENTS = operator.attrgetter("placements")
-_HELD, _KEY = operator.itemgetter(0), operator.itemgetter(1)
-# A gradient's spec is its buffer's, the same object every step: its key is remembered by the
-# spec's identity (the spec is held, so its id is not reused), and keys are interned (one
-# object per mesh and placement kinds, what is held keeps its id). Bounded: both are dropped
-# together when many specs were seen (models built and dropped).
-_KEY_OF_SPEC: dict[int, tuple[object, NormKey]] = {}
-_INTERNED: dict[tuple[object, tuple[type, ...]], NormKey] = {}
-_MAX_SPECS = 1 << 16
-
-
-def norm_keys(tensors: Sequence[torch.Tensor]) -> list[NormKey]:
-    """Per tensor: (its mesh, the mesh axes that shard it) for a DTensor, (device, ()) else.
-
-    Equal keys are the same object (for one mesh object and one set of placement kinds), so
-    keys compare and group by identity; DTensors seen before cost no Python call each.
-
-    Example:
-        >>> norm_keys([torch.zeros(2)])
-        [(device(type='cpu'), ())]
-    """
-    if not tensors or set(map(type, tensors)) != {DTensor}:
-        # A device is a new object per tensor: keyed by value (a mesh by identity).
-        specs = [getattr(tensor, "_spec", None) for tensor in tensors]
-        wheres = [t.device if s is None else s.mesh for t, s in zip(tensors, specs, strict=True)]
-        pairs = [
-            (where, ()) if spec is None else (id(where), tuple(map(type, spec.placements)))
-            for where, spec in zip(wheres, specs, strict=True)
-        ]
-        return _interned(pairs, wheres)
-    specs = list(map(_SPEC, tensors))
-    known = list(map(_KEY_OF_SPEC.get, map(id, specs)))
-    if None not in known and all(map(operator.is_, map(_HELD, known), specs)):  # type: ignore[arg-type]
-        return list(map(_KEY, known))  # type: ignore[arg-type]
-    if len(_KEY_OF_SPEC) > _MAX_SPECS:
-        _KEY_OF_SPEC.clear()
-        _INTERNED.clear()
-    meshes = list(map(_MESH, specs))
-    placements = list(map(_PLACEMENTS, specs))
-    ndims = set(map(len, placements))
-    if len(ndims) == 1:  # the placement kinds axis by axis, in C
-        axes = range(ndims.pop())
-        columns = (map(type, map(operator.itemgetter(a), placements)) for a in axes)
-        kinds = list(zip(*columns, strict=True))
-    else:
-        kinds = list(map(tuple, map(map, itertools.repeat(type), placements)))
-    keys = _interned(list(zip(map(id, meshes), kinds, strict=True)), meshes)
-    _KEY_OF_SPEC.update(zip(map(id, specs), zip(specs, keys, strict=True), strict=True))
-    return keys
-
-
-def _interned(
-    pairs: Sequence[tuple[object, tuple[type, ...]]], wheres: Sequence[Any]
-) -> list[NormKey]:
-    """The interned key of each (mesh id or device, placement kinds) pair."""
-    for pair, where in dict(zip(pairs, wheres, strict=True)).items():
-        if pair not in _INTERNED:
-            kinds = pair[1]
-            axes = tuple(i for i, kind in enumerate(kinds) if not issubclass(kind, Replicate))
-            key = _INTERNED[pair] = (where, axes)
-            if any(issubclass(kind, Partial) for kind in kinds):
-                _PARTIAL_KEYS[id(key)] = key
-    return list(map(_INTERNED.__getitem__, pairs))
-
-
-_PARTIAL_KEYS: dict[int, NormKey] = {}  # keys of DTensors with a Partial axis (pending sums)
-
-
-def is_partial_key(key: NormKey) -> bool:
-    """Whether a `norm_keys` key is that of a DTensor with a Partial placement.
-
-    Example:
-        >>> is_partial_key(norm_keys([torch.zeros(2)])[0])
-        False
-    """
-    return _PARTIAL_KEYS.get(id(key)) is key
+# The pipeline-stage shim, a room of its own (imported last: it uses the guard above).
+from fsdp_engine._compat._pipeline_state import (  # noqa: E402
+    fully_shard_state,
+    set_fully_shard_state,
+)
