@@ -6,15 +6,51 @@ for any engine, so that ours and torch FSDP2 are measured alike.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
+
+
+@contextlib.contextmanager
+def _native_stderr_to_null() -> Iterator[None]:
+    """Sends this process's file descriptor 2 to /dev/null while the block runs.
+
+    kineto prints "USDT ... profiler_start / profiler_stop" and the CPU allocator warns about
+    blocks allocated before profiling started, from C++ on every profiler start and stop;
+    KINETO_LOG_LEVEL does not reach them. Only the profiler's start and stop run inside.
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(null)
+        os.close(saved)
+
+
+@contextlib.contextmanager
+def quiet_profile(**options: Any) -> Iterator[Any]:
+    """`torch.profiler.profile(**options)`, without the lines it prints on start and stop."""
+    prof = profile(**options)
+    with _native_stderr_to_null():
+        prof.start()
+    try:
+        yield prof
+    finally:
+        with _native_stderr_to_null():
+            prof.stop()
 
 
 def live_tensor_bytes() -> int:
@@ -76,7 +112,7 @@ def peak_live_bytes(
     Returns:
         The peak, in bytes.
     """
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with quiet_profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         if lead_in is not None:
             lead_in()
         start = live_tensor_bytes() if include_live else 0
@@ -182,7 +218,7 @@ def engine_copies(fn: Callable[[], object]) -> dict[str, Copies]:
     Returns:
         By op name, the kernels and the bytes they wrote.
     """
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+    with quiet_profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         fn()
     return _engine_copies(prof)
 
@@ -254,7 +290,7 @@ def step_breakdown(fn: Callable[[], object]) -> StepBreakdown:
     dist.Work.wait = labelled_wait  # type: ignore[method-assign]
     try:
         start = time.perf_counter()
-        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        with quiet_profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             fn()
         total = time.perf_counter() - start
     finally:

@@ -36,8 +36,6 @@ import time
 from collections.abc import Callable
 from typing import Any, cast
 
-os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's start/stop lines: errors only
-
 import torch
 import torch.distributed as dist
 from torch import nn
