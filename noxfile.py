@@ -213,13 +213,21 @@ def demo(session: nox.Session) -> None:
         build/demo/loss.png. Then plans the real model presets and compares padding with FSDP2
         (tables on stdout, plots in build/demo/<preset>.png). Pass train.py options after `--`.
     """
+    session.log(
+        "demo 1/5: installing torch and the five packages into .nox/demo (a few minutes the "
+        "first time, seconds after)"
+    )
     _install_members(session, TORCH_DEFAULT)
     session.install("tqdm", "matplotlib", "-e", "packages/shard-planner[plot]")
     out = ROOT / "build" / "demo"
     out.mkdir(parents=True, exist_ok=True)
     # Ours, FSDP2, then ours again with fp8 parameter gathers (in a folder of its own).
     runs = (("ours", "param", out), ("fsdp2", "param", out), ("ours", "fp8", out / "fp8"))
-    for engine, gather, folder in runs:
+    for step, (engine, gather, folder) in enumerate(runs, start=2):
+        session.log(
+            f"demo {step}/5: training on 2 gloo ranks with --engine {engine} --gather {gather} "
+            f"(a few minutes; a progress bar follows)"
+        )
         session.run(
             "python",
             "examples/train.py",
@@ -236,6 +244,7 @@ def demo(session: nox.Session) -> None:
             # every block allocated before it started: measurement noise, not the run's.
             env={"TORCH_CPP_LOG_LEVEL": "ERROR"},
         )
+    session.log("demo 5/5: the side-by-side table, then the planner on four model presets")
     session.run(
         "python",
         "examples/report.py",
