@@ -203,6 +203,7 @@ def test_norm_keys_group_by_mesh_and_sharded_axes(fake_mesh_2d) -> None:
     """Equal (mesh, placement kinds) give one key object, remembered per spec; devices by value."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
+    from fsdp_engine._norm_keys import norm_keys
     from ragged_placement import RaggedShard
 
     mesh = fake_mesh_2d
@@ -214,12 +215,12 @@ def test_norm_keys_group_by_mesh_and_sharded_axes(fake_mesh_2d) -> None:
     a, b = dtensor(Shard(0), Replicate()), dtensor(Shard(1), Replicate())
     c = dtensor(Replicate(), RaggedShard((0,), (2, 2)), piece=torch.zeros(12))
     d = dtensor(Replicate(), Replicate())
-    keys = _compat.norm_keys([a, b, c, d])
+    keys = norm_keys([a, b, c, d])
     assert keys[0] is keys[1] and keys[0] == (mesh, (0,))  # Shard(0) and Shard(1): kinds
     assert keys[2] == (mesh, (1,)) and keys[3] == (mesh, ())
-    assert _compat.norm_keys([d, a])[1] is keys[0]  # remembered by spec: the same objects
+    assert norm_keys([d, a])[1] is keys[0]  # remembered by spec: the same objects
     e = dtensor(Shard(0), Replicate())  # a new spec, the same kinds: the same key
-    assert _compat.norm_keys([e])[0] is keys[0]
-    plain = _compat.norm_keys([torch.zeros(1), torch.zeros(2), a])
+    assert norm_keys([e])[0] is keys[0]
+    plain = norm_keys([torch.zeros(1), torch.zeros(2), a])
     assert plain[0] is plain[1] and plain[0] == (torch.device("cpu"), ())
     assert plain[2] is keys[0]
