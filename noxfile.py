@@ -132,7 +132,7 @@ def build(session: nox.Session) -> None:
 
     Sibling dependencies resolve only from the freshly built wheels (no index), so this proves
     that every package's published metadata is complete. torch-dependent packages see the CPU
-    torch 2.13.0, installed once for all of them.
+    torch 2.13.0 and numpy, installed once for all of them.
     """
     session.install("build>=1.2")
     dist = ROOT / "dist"
@@ -140,12 +140,13 @@ def build(session: nox.Session) -> None:
     for folder in PACKAGES:
         session.run("python", "-m", "build", "--outdir", str(dist), f"packages/{folder}")
     with tempfile.TemporaryDirectory() as torch_tmp:
-        # torch is installed once, into a folder of its own, and each fresh venv of a
-        # torch-dependent package sees it through a .pth file: pip there counts it as installed.
+        # The third-party dependencies (torch, and numpy for DCP) are installed once, into a
+        # folder of their own, and each fresh venv of a torch-dependent package sees them
+        # through a .pth file: pip there counts them as installed.
         torch_site = pathlib.Path(torch_tmp) / "site"
         session.run(
             "python", "-m", "pip", "install", "-q", "--target", str(torch_site),
-            f"torch=={TORCH_DEFAULT}",
+            f"torch=={TORCH_DEFAULT}", "numpy",
         )  # fmt: skip
         for module in PACKAGES.values():
             _check_wheel_alone(session, dist, module, torch_site)
