@@ -36,6 +36,8 @@ def test_edge_cases_and_bad_input() -> None:
     for bad in (-1.0, True, "1", float("nan")):
         with pytest.raises(ValueError, match="max_norm must be a number >= 0"):
             clip_grad_norm_(_params(2), bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="norm_type must be a number or inf, got nan"):
+        clip_grad_norm_(_params(2), 1.0, norm_type=float("nan"))
     for bad in ("pp", 2):
         with pytest.raises(ValueError, match="pp_mesh must be a 1-D DeviceMesh or None"):
             clip_grad_norm_(_params(2), 1.0, pp_mesh=bad)  # type: ignore[arg-type]
