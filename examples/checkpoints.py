@@ -231,9 +231,8 @@ def _sync_folder(folder: pathlib.Path) -> None:
 def _prune(root: pathlib.Path, keep: int) -> None:
     """Removes all but the newest `keep` complete checkpoints."""
     complete = sorted(
-        p
-        for p in root.iterdir()
-        if p.name.startswith(_PREFIX) and p.name.removeprefix(_PREFIX).isdigit()
+        (p for p in root.iterdir() if p.name.startswith(_PREFIX)),
+        key=lambda p: int(p.name.removeprefix(_PREFIX)) if p.name[len(_PREFIX) :].isdigit() else -1,
     )
     for folder in complete[:-keep]:
         shutil.rmtree(folder)

@@ -148,8 +148,9 @@ def check_args(args: argparse.Namespace, world: int) -> None:
         )
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device on this machine")
-    Text(args.data).batch("val", 0, 0, 1, args.seq_len)  # the text is long enough
-    args.resume_from = _checkpoint_to_resume(args)
+    text = Text(args.data)
+    text.batch("val", 0, 0, 1, args.seq_len)  # the text is long enough
+    args.resume_from = _checkpoint_to_resume(args, len(text.chars))
 
 
 def _check_checkpoints(args: argparse.Namespace) -> None:
@@ -165,7 +166,7 @@ def _check_checkpoints(args: argparse.Namespace) -> None:
         raise UsageError(f"--resume {args.resume}: no checkpoint there (not a folder)")
 
 
-def _checkpoint_to_resume(args: argparse.Namespace) -> Found | None:
+def _checkpoint_to_resume(args: argparse.Namespace, vocab: int) -> Found | None:
     """--resume's checkpoint, else --checkpoint's newest; refused here if it cannot resume."""
     try:
         if args.resume is not None:
@@ -177,8 +178,7 @@ def _checkpoint_to_resume(args: argparse.Namespace) -> Found | None:
         else:
             return None
         if found is not None:
-            text = Text(args.data)
-            check_resumable(found, run_settings(args, len(text.chars), args.data), args.steps)
+            check_resumable(found, run_settings(args, vocab, args.data), args.steps)
         return found
     except CheckpointError as exc:
         raise UsageError(str(exc)) from None

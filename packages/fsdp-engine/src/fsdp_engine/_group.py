@@ -73,7 +73,8 @@ class ParamGroup:
 
     def __post_init__(self) -> None:
         self._keep_groups: dict[DBuffer, dist.ProcessGroup] = {}
-        # Per DBuffer, the dtype it is gathered in, None for its own (set by fully_shard).
+        # Per DBuffer, the dtype asked for it: param_dtype, or None where its parameters
+        # keep their own (set by fully_shard).
         self.compute_dtypes: dict[DBuffer, torch.dtype | None] = {}
         # Per DBuffer, its parameters in group order: the per-step loops below walk these
         # lists doing attribute work only (no Python call per parameter).
@@ -118,8 +119,16 @@ class ParamGroup:
         return self.subclass_params[0].is_unsharded
 
     def _compute_dtype(self, buffer: DBuffer) -> torch.dtype | None:
-        """What the buffer is gathered in: None for its own dtype (`_param_dtypes.py`)."""
-        return self.compute_dtypes.get(buffer)
+        """What the buffer is gathered in: None for its own dtype.
+
+        param_dtype, unless `param_dtype_override_fn` kept the buffer's parameters in their
+        own dtype (`_param_dtypes.py`); read against the buffer's dtype now, so a group
+        converted after fully_shard (`.to(dtype)`) still casts what it should.
+        """
+        dtype = self.compute_dtypes.get(buffer, self.mp_policy.param_dtype)
+        if dtype is None or not buffer.dtype.is_floating_point or dtype == buffer.dtype:
+            return None
+        return dtype
 
     def unshard(self, *, async_op: bool = False) -> list[Handle]:
         """Gathers every DBuffer (a no-op while unsharded); returns the handles to wait on."""
@@ -236,19 +245,18 @@ class ParamGroup:
         received = self._received
         # A buffer of frozen parameters only has no gradient to reduce (and an integer one
         # could not be averaged); requires_grad is the model's, the same on every rank.
-        trainable = {
-            buffer: members
-            for buffer, members in self.members.items()
-            if any(p.sharded.requires_grad for p in members)
-        }
+        trainable: dict[DBuffer, list[ManagedParam]] = {}
+        for buffer, all_members in self.members.items():
+            members = [p for p in all_members if p.sharded.requires_grad]
+            if members:
+                trainable[buffer] = members
         for buffer, members in trainable.items():
             if received.isdisjoint(members):
                 # No gradient reached this buffer on this rank; it still takes part in the
                 # collective (other ranks may have some), with zeros.
                 buffer.full_grad(buffer.names[0])
         saved: dict[DBuffer, torch.Tensor] = {}
-        for buffer, all_members in trainable.items():
-            members = [p for p in all_members if p.sharded.requires_grad]
+        for buffer, members in trainable.items():
             kept = [p for p in members if p.sharded.grad is not None]
             if kept:
                 # Zeroed first (the reduce overwrites local_grad anyway) so that what is

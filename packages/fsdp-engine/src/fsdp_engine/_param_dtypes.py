@@ -44,7 +44,10 @@ def override_fn(policy: MixedPrecisionPolicy, given: OverrideFn | None) -> Overr
 def compute_dtypes(
     policy: MixedPrecisionPolicy, fn: OverrideFn | None, params: Mapping[nn.Parameter, str]
 ) -> dict[nn.Parameter, torch.dtype | None]:
-    """Each parameter's compute dtype: the dtype it is gathered in (None: its own).
+    """Each parameter's requested compute dtype: param_dtype, or None to keep its own.
+
+    A parameter kept in its own dtype is None whatever dtype it has later; the others ask
+    for param_dtype (the group compares it with the buffer's dtype when it gathers).
 
     Raises:
         ValueError: `fn` returned something other than None, `param_dtype` or the
@@ -74,6 +77,6 @@ def compute_dtypes(
                 f"param_dtype_override_fn returned {chosen} for {name!r} ({param.dtype}); "
                 f"valid: None, param_dtype ({default}) or the parameter's own {param.dtype}"
             )
-        casts = chosen is not None and chosen != param.dtype and param.dtype.is_floating_point
-        out[param] = chosen if casts else None
+        keeps_own = fn is not None and chosen == param.dtype and chosen != default
+        out[param] = None if keeps_own else default
     return out

@@ -167,7 +167,7 @@ class AdamW(StepOptimizer):
         runs = self._runs.get(id(group))
         if runs is None or not runs.is_current(group["params"]):
             runs = self._runs[id(group)] = GroupRuns(group["params"], self._name)
-            keys = (*_MOMENTS, _MAX) if group["amsgrad"] else _MOMENTS
+            keys = _state_keys(group)
             for run in runs.runs:
                 self._adopt(run, keys)
         return runs
@@ -227,7 +227,7 @@ class AdamW(StepOptimizer):
 
     def _step_group(self, group: dict[str, Any], segments: list[Segment]) -> None:
         amsgrad, fused = group["amsgrad"], bool(group["fused"])
-        keys = (*_MOMENTS, _MAX) if amsgrad else _MOMENTS
+        keys = _state_keys(group)
         for segment in segments:
             run = segment.run
             if run.counts[segment.lo] == 0:
@@ -277,6 +277,11 @@ class AdamW(StepOptimizer):
             state["step"] = run.steps[i]
             for key in keys:
                 state[key] = run.exposed(i, run.state_tensor(key))
+
+
+def _state_keys(group: dict[str, Any]) -> tuple[str, ...]:
+    """The state tensors a parameter of `group` has besides `step` (torch's AdamW's)."""
+    return _KEYS if group["amsgrad"] else _MOMENTS
 
 
 def _foreach(group: dict[str, Any]) -> bool:

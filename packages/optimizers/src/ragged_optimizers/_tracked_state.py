@@ -58,7 +58,8 @@ class TrackedEntry(dict[str, Any]):
         return super().popitem()
 
     def setdefault(self, key: str, default: Any = None) -> Any:
-        self._touch()
+        if key not in self:  # only adding is an edit
+            self._touch()
         return super().setdefault(key, default)
 
     def update(self, *args: Any, **kwargs: Any) -> None:
