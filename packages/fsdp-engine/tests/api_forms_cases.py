@@ -514,7 +514,9 @@ def check_param_dtype_override(source: str) -> dict[str, Any]:
 
         result["fsdp2"], theirs_seen = _train_norm_model(torch_overridden)
         assert theirs_seen == seen, (theirs_seen, seen)
-        torch.testing.assert_close(losses, result["fsdp2"], rtol=2e-3, atol=0)
+        # The same bf16 arithmetic; the gradients' fp32 sums may round in another order, which
+        # moves a bf16 weight by at most an ulp (2**-8 relative) per step: two of them.
+        torch.testing.assert_close(losses, result["fsdp2"], rtol=2 * 2**-8, atol=0)
     return result
 
 

@@ -65,7 +65,10 @@ def check_integer_frozen_parameter(mixed: bool) -> dict[str, list[float]]:
         full = order.full_tensor() if engine != "one process" else order
         assert full.tolist() == [5, 0, 3, 1, 4, 2], engine
         assert order.grad is None, engine
-    tolerance = {"rtol": 2e-2, "atol": 1e-3} if mixed else {"rtol": 1e-5, "atol": 1e-6}
+    # bf16: one process keeps bf16 weights (rounded at each step), ours fp32 ones cast to bf16
+    # for compute: a few bf16 ulps (2**-8 relative) apart after 3 steps. fp32: the same sums
+    # in another order, float32 rounding.
+    tolerance = {"rtol": 4 * 2**-8, "atol": 1e-3} if mixed else {"rtol": 1e-5, "atol": 1e-6}
     torch.testing.assert_close(losses["ours"], losses["one process"], **tolerance)
     if "fsdp2" in losses:
         torch.testing.assert_close(losses["ours"], losses["fsdp2"], rtol=1e-5, atol=1e-6)
