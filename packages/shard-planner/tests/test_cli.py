@@ -193,7 +193,7 @@ def test_plan_says_when_it_pads_more_than_fsdp2_and_why(tmp_path, capsys) -> Non
     # one inside b too, and lcm(777, 1009) is all of a.
     assert main(["plan", str(path), "--world-size", "8"]) == 0
     out = capsys.readouterr().out
-    assert "padding=774534 (59.506%)" in out, out
+    assert "padding=774,534 (59.506%)" in out, out
     assert "1 tensor(s) (a) hold a whole shard" in out, out
     assert "a smaller S would put a whole shard inside b too" in out, out
     assert "multiple of 783,993" in out, out

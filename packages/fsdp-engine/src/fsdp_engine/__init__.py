@@ -19,8 +19,8 @@ Example (`model`: a module with a list of blocks in `model.layers`):
 
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-from fsdp_engine._api import fully_shard, register_fsdp_forward_method
 from fsdp_engine._clip import clip_grad_norm_
+from fsdp_engine._fully_shard import fully_shard, register_fsdp_forward_method
 from fsdp_engine._module import FSDPModule, GradientReductionHandle, UnshardHandle
 from fsdp_engine._summary import GroupSummary, sharding_summary
 

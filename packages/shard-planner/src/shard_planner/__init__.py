@@ -18,7 +18,8 @@ from shard_planner._advise import Candidate, advise, factorisations
 from shard_planner._baselines import flat_padding, fsdp2_padding
 from shard_planner._bounds import lower_bound
 from shard_planner._compute import ComputeModel
-from shard_planner._estimate import OPTIMIZERS, Estimate, estimate
+from shard_planner._estimate import Estimate, estimate
+from shard_planner._estimate_checks import OPTIMIZERS
 from shard_planner._granularity import fully_shard_calls, split_experts
 from shard_planner._layout import Layout, LayoutError, dump_plan, load_plan
 from shard_planner._links import Links, fit_links, load_links

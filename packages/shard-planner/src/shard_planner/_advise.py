@@ -10,7 +10,8 @@ from typing import Any
 
 from shard_planner._activations import ActivationModel
 from shard_planner._compute import ComputeModel
-from shard_planner._estimate import BlockTooLargeError, Estimate, estimate
+from shard_planner._estimate import Estimate, estimate
+from shard_planner._estimate_checks import BlockTooLargeError
 from shard_planner._granularity import dense_blocks, has_experts, split_experts
 from shard_planner._presets import GroupSpec
 from shard_planner._spec import check_count

@@ -7,6 +7,7 @@ line on stderr, never a traceback.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import pathlib
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -29,7 +30,8 @@ from shard_planner._cost_report import (
     plot_candidates,
     to_json,
 )
-from shard_planner._estimate import check_blocks_fit, estimate
+from shard_planner._estimate import estimate
+from shard_planner._estimate_checks import check_blocks_fit
 from shard_planner._granularity import has_experts
 from shard_planner._layout import Layout, dump_plan, load_plan
 from shard_planner._links import load_links
@@ -114,19 +116,45 @@ def _cmd_plan(args: argparse.Namespace) -> None:
         _write(args.out, lambda path: pathlib.Path(path).write_text(text))
         print(f"wrote {len(layouts)} layout(s) to {args.out}")
         return
-    for name, layout in layouts.items():
+    # Groups of one shape (a model's identical layers) share one layout and one note: the
+    # note is printed under the first of them, naming how many it stands for.
+    shapes: dict[int, list[str]] = {}
+    for group in groups:
+        shapes.setdefault(group.layout_id, []).append(group.name)
+    for group in groups:
+        layout = layouts[group.name]
         ratio = layout.shard_size / layout.lower_bound if layout.lower_bound else 1.0
         print(
-            f"{name}: {len(layout.tensors)} tensors, {layout.total_numel} elements, "
-            f"shard_size={layout.shard_size} (lower bound {layout.lower_bound}, x{ratio:.4f}), "
-            f"padding={layout.padding} ({100 * layout.padding_ratio:.3f}%)"
+            f"{group.name}: {len(layout.tensors)} tensors, {layout.total_numel:,} elements, "
+            f"shard_size={layout.shard_size:,} (lower bound {layout.lower_bound:,}, "
+            f"x{ratio:.4f}), padding={layout.padding:,} ({100 * layout.padding_ratio:.3f}%)"
         )
-        explanation = explain_padding(layout)
+        same = shapes[group.layout_id]
+        explanation = explain_padding(layout) if same[0] == group.name else None
         if explanation:
-            print(f"  note: {explanation}")
+            others = len(same) - 1
+            also = f" (and for the {others} other groups of this shape)" if others else ""
+            print(f"  note{also}: {explanation}")
+
+
+def _check_picture(path: str | None, option: str) -> None:
+    """Refuses a PNG target before any work: a missing folder, a directory, no matplotlib."""
+    if path is None:
+        return
+    target = pathlib.Path(path)
+    if target.is_dir():
+        raise UsageError(f"cannot write {path}: it is a directory; give a file name")
+    if not target.parent.is_dir():
+        raise UsageError(f"cannot write {path}: folder {target.parent} does not exist")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise UsageError(
+            f"{option} needs matplotlib, which is not installed: pip install "
+            f"'shard-planner[plot]' (or leave out {option})"
+        )
 
 
 def _cmd_compare(args: argparse.Namespace) -> None:
+    _check_picture(args.plot, "--plot")
     model = _load_model(args)
     cases = [
         compare_case(model, world_size, rows, align=args.align)
@@ -140,6 +168,7 @@ def _cmd_compare(args: argparse.Namespace) -> None:
 
 
 def _cmd_show(args: argparse.Namespace) -> None:
+    _check_picture(args.out, "--out")
     if args.layout:
         if args.file or args.preset:
             raise UsageError("give --layout alone, without a group file or --preset")
@@ -236,6 +265,7 @@ def _cmd_estimate(args: argparse.Namespace) -> None:
 
 
 def _cmd_advise(args: argparse.Namespace) -> None:
+    _check_picture(args.plot, "--plot")
     model = _load_model(args)
     memory = int(args.memory_gb * 2**30)
     search = {
@@ -318,58 +348,116 @@ def _levers(model: ModelPreset, args: argparse.Namespace, memory: int) -> list[s
     return lines
 
 
+class _FORMAT(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default, unless it has none (None or off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is False:
+            return action.help or ""
+        return super()._get_help_string(action) or ""
+
+
+_GROUP_FILE = "a JSON group file (the README's 'Group files' section), or use --preset"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="shard-planner",
         description="Plan block-aware, evenly sharded buffer layouts for FSDP groups.",
+        formatter_class=_FORMAT,
     )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    presets = ", ".join(preset_names())
 
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--block-rows", type=positive, default=1, help="rows per block (default 1)")
-        p.add_argument("--align", type=positive, default=1, help="shard size alignment, elements")
+        p.add_argument(
+            "--block-rows",
+            type=positive,
+            default=1,
+            help="rows per block: no shard boundary cuts one (32 for 32 x 32 quantization)",
+        )
+        p.add_argument(
+            "--align", type=positive, default=1, help="the shard size is a multiple of this"
+        )
 
-    plan = sub.add_parser("plan", help="plan the groups of a JSON group file or preset")
-    plan.add_argument("file", nargs="?", help="group file (see shard_planner._presets)")
-    plan.add_argument("--preset", help=f"a shipped preset: {', '.join(preset_names())}")
-    plan.add_argument("--world-size", type=positive, required=True)
-    plan.add_argument("--group", help="plan only this group")
+    plan = sub.add_parser(
+        "plan", help="plan the groups of a JSON group file or preset", formatter_class=_FORMAT
+    )
+    plan.add_argument("file", nargs="?", help=_GROUP_FILE)
+    plan.add_argument("--preset", help=f"a shipped model: {presets}")
+    plan.add_argument(
+        "--world-size", type=positive, required=True, help="ranks each group is sharded over"
+    )
+    plan.add_argument("--group", help="plan only this group (default: every group)")
     plan.add_argument(
         "--allow-idle-ranks",
         action="store_true",
         help="plan a group with fewer blocks than ranks (some then hold only padding)",
     )
-    plan.add_argument("--order", choices=ORDERS, default="auto")
+    plan.add_argument(
+        "--order",
+        choices=ORDERS,
+        default="auto",
+        help="the order tensors are laid out in: auto tries the others and keeps the best",
+    )
     plan.add_argument(
         "--out", help="write the plan (each group's layout, JSON) here instead of a summary"
     )
     common(plan)
     plan.set_defaults(run=_cmd_plan)
 
-    compare = sub.add_parser("compare", help="padding of ours vs FSDP2 vs flat, whole model")
-    compare.add_argument("file", nargs="?", help="group file (or use --preset)")
-    compare.add_argument("--preset", help=f"one of: {', '.join(preset_names())}")
-    compare.add_argument("--world-sizes", type=positive_list, default=[8, 64, 256, 1024])
-    compare.add_argument("--block-rows", type=positive_list, default=[1])
-    compare.add_argument("--align", type=positive, default=1)
+    compare = sub.add_parser(
+        "compare", help="padding of ours vs FSDP2 vs flat, whole model", formatter_class=_FORMAT
+    )
+    compare.add_argument("file", nargs="?", help=_GROUP_FILE)
+    compare.add_argument("--preset", help=f"a shipped model: {presets}")
+    compare.add_argument(
+        "--world-sizes",
+        type=positive_list,
+        default=[8, 64, 256, 1024],
+        help="FSDP world sizes to compare, comma-separated",
+    )
+    compare.add_argument(
+        "--block-rows",
+        type=positive_list,
+        default=[1],
+        help="rows per block to compare, comma-separated (e.g. 1,32)",
+    )
+    compare.add_argument(
+        "--align", type=positive, default=1, help="the shard size is a multiple of this"
+    )
     compare.add_argument("--plot", help="also draw the table into this PNG (needs matplotlib)")
     compare.set_defaults(run=_cmd_compare)
 
-    show = sub.add_parser("show", help="render one group's layout per rank")
-    show.add_argument("file", nargs="?", help="group file (or use --preset / --layout)")
-    show.add_argument("--preset")
+    show = sub.add_parser(
+        "show", help="render one group's layout per rank", formatter_class=_FORMAT
+    )
+    show.add_argument("file", nargs="?", help=_GROUP_FILE + " (or --layout)")
+    show.add_argument("--preset", help=f"a shipped model: {presets}")
     show.add_argument("--layout", help="a plan written by `plan --out`")
     show.add_argument("--group", help="group name (default: the first group)")
-    show.add_argument("--world-size", type=positive, default=8)
-    show.add_argument("--max-ranks", type=positive, default=16)
+    show.add_argument(
+        "--world-size", type=positive, default=8, help="ranks the group is sharded over"
+    )
+    show.add_argument("--max-ranks", type=positive, default=16, help="ranks to print or draw")
     show.add_argument("--out", help="draw the layout into this PNG (needs matplotlib)")
     common(show)
     show.set_defaults(run=_cmd_show)
 
-    est = sub.add_parser("estimate", help="memory per rank and communication per step")
+    est = sub.add_parser(
+        "estimate",
+        help="memory per rank and communication per step",
+        description="Memory per rank (GiB) and what one rank sends per step (GiB), of one "
+        "(replicate, shard) configuration.",
+        formatter_class=_FORMAT,
+    )
     add_cost_options(est)
-    est.add_argument("--shard-size", type=positive, required=True)
-    est.add_argument("--replicate-size", type=positive, default=1)
+    est.add_argument(
+        "--shard-size", type=positive, required=True, help="ranks each group is sharded over"
+    )
+    est.add_argument(
+        "--replicate-size", type=positive, default=1, help="replicas (HSDP); 1 is plain FSDP"
+    )
     est.add_argument(
         "--checkpointing", action="store_true", help="activation checkpointing of every block"
     )
@@ -385,7 +473,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     est.set_defaults(run=_cmd_estimate)
 
-    adv = sub.add_parser("advise", help="rank every (replicate, shard) split of N ranks")
+    adv = sub.add_parser(
+        "advise",
+        help="rank every (replicate, shard) split of N ranks",
+        description="Every (replicate, shard) split of --ranks and the settings searched, "
+        "ranked; the first plan's memory by part (GiB per rank) and its fully_shard calls.",
+        formatter_class=_FORMAT,
+    )
     add_advise_options(adv)
     adv.set_defaults(run=_cmd_advise)
     return parser

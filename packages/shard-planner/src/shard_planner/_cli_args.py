@@ -10,7 +10,7 @@ import argparse
 import math
 from collections.abc import Callable, Sequence
 
-from shard_planner._estimate import OPTIMIZERS
+from shard_planner._estimate_checks import OPTIMIZERS
 from shard_planner._presets import preset_names
 
 
@@ -77,18 +77,46 @@ def positive_list(text: str) -> list[int]:
 
 def add_cost_options(p: argparse.ArgumentParser) -> None:
     """The options `estimate` and `advise` share: the model, bytes, links and compute."""
-    p.add_argument("file", nargs="?", help="group file (or use --preset)")
-    p.add_argument("--preset", help=f"one of: {', '.join(preset_names())}")
-    p.add_argument("--ranks-per-node", type=positive, default=8)
-    p.add_argument("--block-rows", type=positive, default=1)
-    p.add_argument("--param-bytes", type=positive, default=4)
-    p.add_argument("--grad-bytes", type=positive, default=4)
-    p.add_argument("--compute-bytes", type=positive, help="bytes gathered per element")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
-    p.add_argument("--intra-node-gbps", type=positive_float, default=400.0)
-    p.add_argument("--inter-node-gbps", type=positive_float, default=50.0)
-    p.add_argument("--latency-us", type=positive_float, default=20.0, help="per collective")
-    p.add_argument("--hop-latency-us", type=positive_float, default=2.0, help="per ring step")
+    p.add_argument(
+        "file", nargs="?", help="a JSON group file (the README's 'Group files'), or --preset"
+    )
+    p.add_argument("--preset", help=f"a shipped model: {', '.join(preset_names())}")
+    p.add_argument("--ranks-per-node", type=positive, default=8, help="ranks sharing a node")
+    p.add_argument(
+        "--block-rows", type=positive, default=1, help="rows per block: no shard cuts one"
+    )
+    p.add_argument(
+        "--param-bytes", type=positive, default=4, help="bytes per sharded parameter element"
+    )
+    p.add_argument(
+        "--grad-bytes", type=positive, default=4, help="bytes per reduced gradient element"
+    )
+    p.add_argument(
+        "--compute-bytes",
+        type=positive,
+        help="bytes per gathered element (2: bf16 mixed precision; default: --param-bytes)",
+    )
+    p.add_argument(
+        "--optimizer", choices=OPTIMIZERS, default="adamw", help="whose state is counted"
+    )
+    p.add_argument(
+        "--intra-node-gbps",
+        type=positive_float,
+        default=400.0,
+        help="GB/s one rank sends inside a node",
+    )
+    p.add_argument(
+        "--inter-node-gbps",
+        type=positive_float,
+        default=50.0,
+        help="GB/s one rank sends between nodes",
+    )
+    p.add_argument(
+        "--latency-us", type=positive_float, default=20.0, help="microseconds per collective"
+    )
+    p.add_argument(
+        "--hop-latency-us", type=positive_float, default=2.0, help="microseconds per ring step"
+    )
     p.add_argument(
         "--rails",
         type=positive,
@@ -106,8 +134,15 @@ def add_cost_options(p: argparse.ArgumentParser) -> None:
         type=positive,
         help="activation width sent to experts under EP (default: the preset's)",
     )
-    p.add_argument("--peak-tflops", type=positive_float, default=989.0)
-    p.add_argument("--mfu", type=positive_float, default=0.4)
+    p.add_argument(
+        "--peak-tflops",
+        type=positive_float,
+        default=989.0,
+        help="one rank's peak TFLOP/s at the compute dtype (989: H100 SXM, bf16 dense)",
+    )
+    p.add_argument(
+        "--mfu", type=positive_float, default=0.4, help="fraction of the peak the model reaches"
+    )
     p.add_argument(
         "--overlap",
         type=float,
@@ -136,15 +171,20 @@ def add_cost_options(p: argparse.ArgumentParser) -> None:
         default=1.0,
         help="measured activations over the shape count (1: fused kernels)",
     )
-    p.add_argument("--json", help="also write the result as JSON here")
+    p.add_argument("--json", help="also write the result as JSON to this file")
 
 
 def add_advise_options(adv: argparse.ArgumentParser) -> None:
     """The options only `advise` has: the budget and the settings to search."""
     add_cost_options(adv)
-    adv.add_argument("--ranks", type=positive, required=True)
-    adv.add_argument("--memory-gb", type=positive_float, required=True, help="GiB per rank")
-    adv.add_argument("--activation-gb", type=positive_float, default=0.0)
+    adv.add_argument("--ranks", type=positive, required=True, help="ranks to split")
+    adv.add_argument("--memory-gb", type=positive_float, required=True, help="memory per rank, GiB")
+    adv.add_argument(
+        "--activation-gb",
+        type=positive_float,
+        default=0.0,
+        help="GiB per rank to keep for activations when --seq-len does not count them",
+    )
     adv.add_argument(
         "--expert-parallel",
         type=count_list,
@@ -161,7 +201,7 @@ def add_advise_options(adv: argparse.ArgumentParser) -> None:
         "--min-headroom",
         type=positive_float,
         default=0.1,
-        help="fraction of memory a split should leave free to rank first (default 0.1)",
+        help="fraction of memory a split should leave free to rank first",
     )
     adv.add_argument(
         "--optimizers",

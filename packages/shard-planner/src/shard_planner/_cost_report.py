@@ -17,7 +17,7 @@ _GIB = 2**30
 
 
 def format_estimate(est: Estimate) -> str:
-    """A two-column table of one estimate (GiB per rank, GB per step)."""
+    """A two-column table of one estimate (GiB per rank; traffic is what one rank sends)."""
     rows = [
         ("ranks", f"{est.replicate_size} replicas x {est.shard_size} shards = {est.num_ranks}"),
         ("parameters per rank", f"{est.param_bytes / _GIB:.3f} GiB"),
@@ -39,9 +39,9 @@ def format_estimate(est: Estimate) -> str:
             "peak per rank" + ("" if est.activation_bytes else ", no activations"),
             f"{est.memory_bytes / _GIB:.3f} GiB",
         ),
-        ("all-gather sent per step", f"{est.all_gather_bytes / 1e9:.3f} GB"),
-        ("reduce-scatter sent per step", f"{est.reduce_scatter_bytes / 1e9:.3f} GB"),
-        ("all-reduce sent per step", f"{est.all_reduce_bytes / 1e9:.3f} GB"),
+        ("all-gather sent per rank per step", f"{est.all_gather_bytes / _GIB:.3f} GiB"),
+        ("reduce-scatter sent per rank per step", f"{est.reduce_scatter_bytes / _GIB:.3f} GiB"),
+        ("all-reduce sent per rank per step", f"{est.all_reduce_bytes / _GIB:.3f} GiB"),
         ("padding", f"{est.padding_elements:,} elements ({100 * est.padding_ratio:.3f}%)"),
         ("predicted communication per step", f"{est.comm_time_s:.3f} s (no overlap)"),
     ]

@@ -6,13 +6,23 @@ one rank holds and sends in a training step. The formulas are in its docstring.
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shard_planner._activations import RECOMPUTE, ActivationModel
 from shard_planner._compute import ComputeModel, matmul_params, step_time
+from shard_planner._estimate_checks import (
+    MIN_8BIT_NUMEL,
+    QUANT_BLOCK,
+    check_blocks_fit,
+    check_element_bytes,
+    check_expert_parallel,
+    check_groups,
+    check_links,
+    check_models,
+    check_optimizer,
+)
 from shard_planner._expert_parallel import all_to_all, expert_groups_under_ep, num_moe_blocks
 from shard_planner._granularity import block_index, dense_blocks
 from shard_planner._layout import Layout
@@ -21,9 +31,6 @@ from shard_planner._plan import plan_layout
 from shard_planner._presets import GroupSpec
 from shard_planner._spec import TensorSpec, check_count
 
-OPTIMIZERS = ("adamw", "adamw8bit", "muon", "sgd")
-QUANT_BLOCK = 32  # AdamW8bit's block: 32 x 32
-MIN_8BIT_NUMEL = 4096
 _NOT_MUON = ("embed", "lm_head", "output", "head")  # names Muon leaves to its AdamW groups
 
 
@@ -108,13 +115,6 @@ class Estimate:
             + self.prefetch_unsharded_bytes
             + self.reduce_scatter_input_bytes
         )
-
-
-def _check_bytes(name: str, value: object) -> int:
-    count = check_count(name, value, 1)
-    if count not in (1, 2, 4, 8):
-        raise ValueError(f"{name} must be 1, 2, 4 or 8 (bytes per element), got {count}")
-    return count
 
 
 def _real_per_rank(layout: Layout) -> list[int]:
@@ -271,82 +271,6 @@ def _timing(
     }
 
 
-def _check_expert_parallel(value: object, shard_size: int, compute: ComputeModel | None) -> int:
-    ep = check_count("expert_parallel", value, 1)
-    if shard_size % ep:
-        raise ValueError(f"expert_parallel {ep} must divide shard_size {shard_size}")
-    if ep > 1 and (compute is None or None in (compute.top_k, compute.hidden_size)):
-        raise ValueError(
-            f"expert_parallel={ep} sends tokens to their experts: give compute=ComputeModel("
-            f"tokens_per_rank=..., top_k=..., hidden_size=...) to count the all-to-alls"
-        )
-    return ep
-
-
-def _check_element_bytes(
-    param_bytes: object, grad_bytes: object, compute_bytes: object, align_bytes: int
-) -> tuple[int, int, int]:
-    """(parameter, gradient, gathered) bytes per element, each 1, 2, 4 or 8."""
-    param = _check_bytes("param_bytes", param_bytes)
-    grad = _check_bytes("grad_bytes", grad_bytes)
-    gathered = param if compute_bytes is None else _check_bytes("compute_bytes", compute_bytes)
-    if align_bytes % param:
-        raise ValueError(f"align_bytes {align_bytes} is not a multiple of param_bytes")
-    return param, grad, gathered
-
-
-def _check_models(compute: object, activations: object, reshard_after_forward: object) -> None:
-    if compute is not None and not isinstance(compute, ComputeModel):
-        raise TypeError(f"compute must be a ComputeModel, got {type(compute).__name__}")
-    if activations is not None and not isinstance(activations, ActivationModel):
-        raise TypeError(f"activations must be an ActivationModel, got {activations!r}")
-    if not isinstance(reshard_after_forward, bool):
-        raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
-
-
-def _check_optimizer(optimizer: str, block_rows: int) -> None:
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
-    if optimizer == "adamw8bit" and block_rows % QUANT_BLOCK:
-        raise ValueError(
-            f"optimizer 'adamw8bit' needs shards cut between {QUANT_BLOCK}-row blocks: "
-            f"block_rows must be a multiple of {QUANT_BLOCK}, got {block_rows}"
-        )
-
-
-def _check_links(**links: object) -> None:
-    """Finite bandwidths > 0 and finite latencies >= 0 (user input: checked for what came)."""
-    for name, value in links.items():
-        low = 0 if name.endswith("_us") else None
-        ok = isinstance(value, int | float) and _finite(value)
-        if not ok or (value <= 0 if low is None else value < low):  # type: ignore[operator]
-            bound = ">= 0" if low is not None else "> 0"
-            raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
-
-
-def _finite(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
-class BlockTooLargeError(ValueError):
-    """A group has fewer unsplittable blocks than ranks: some would hold only padding."""
-
-
-def check_blocks_fit(group: GroupSpec, specs: Sequence[TensorSpec], shard_size: int) -> None:
-    """At least one block per rank: with fewer, a rank's shard is all padding."""
-    num_blocks = sum(-(-s.numel // s.atom) for s in specs if s.numel)
-    if num_blocks < shard_size:
-        index = max(range(len(specs)), key=lambda i: specs[i].atom)
-        name, atom = group.entries[index].name, specs[index].atom  # specs may be a twin's
-        raise BlockTooLargeError(
-            f"group {group.name!r} has {num_blocks:,} blocks in all (largest: "
-            f"{name!r}, {atom:,} elements), fewer than W={shard_size} ranks: "
-            f"no shard boundary may cut a block, so {shard_size - num_blocks:,} ranks would "
-            f"hold only padding; use smaller block_rows or W <= {num_blocks} (or "
-            f"allow_idle_ranks=True)"
-        )
-
-
 _PLANS: OrderedDict[tuple[int, int, int, int], Layout] = OrderedDict()
 _MAX_PLANS = 256
 # Each plan's optimizer state per rank, by (plan, optimizer, bytes): the plan kept beside it.
@@ -385,27 +309,6 @@ def _plan(group: GroupSpec, block_rows: int, shard_size: int, align: int) -> Lay
     else:
         _PLANS.move_to_end(key)
     return layout
-
-
-def _check_groups(groups: Sequence[GroupSpec]) -> tuple[GroupSpec, ...]:
-    """A non-empty sequence of GroupSpecs, each with at least one tensor."""
-    given: object = groups  # user input: check what came
-    if isinstance(given, GroupSpec):
-        raise TypeError("groups must be a sequence of GroupSpecs, got one GroupSpec: use [group]")
-    found: tuple[object, ...] = tuple(groups)
-    if not found:
-        raise ValueError("groups is empty: give the model's FSDP groups")
-    checked = []
-    for group in found:
-        if not isinstance(group, GroupSpec):
-            raise TypeError(
-                f"groups must be GroupSpecs (e.g. load_preset(name).groups); got "
-                f"{type(group).__name__} {group!r:.80}"
-            )
-        if not group.entries:
-            raise ValueError(f"group {group.name!r} has no tensors")
-        checked.append(group)
-    return tuple(checked)
 
 
 def estimate(
@@ -516,18 +419,18 @@ def estimate(
     compute_model = compute
     shard_size = check_count("shard_size", shard_size, 1)
     replicate_size = check_count("replicate_size", replicate_size, 1)
-    param_bytes, grad_bytes, gathered = _check_element_bytes(
+    param_bytes, grad_bytes, gathered = check_element_bytes(
         param_bytes, grad_bytes, compute_bytes, align_bytes
     )
     block_rows = check_count("block_rows", block_rows, 1)
     ranks_per_node = check_count("ranks_per_node", ranks_per_node, 1)
-    _check_optimizer(optimizer, block_rows)
-    _check_links(intra_node_gbps=intra_node_gbps, inter_node_gbps=inter_node_gbps,
+    check_optimizer(optimizer, block_rows)
+    check_links(intra_node_gbps=intra_node_gbps, inter_node_gbps=inter_node_gbps,
                  latency_us=latency_us, hop_latency_us=hop_latency_us)  # fmt: skip
-    groups = _check_groups(groups)
-    _check_models(compute_model, activations, reshard_after_forward)
+    groups = check_groups(groups)
+    check_models(compute_model, activations, reshard_after_forward)
 
-    ep = _check_expert_parallel(expert_parallel, shard_size, compute_model)
+    ep = check_expert_parallel(expert_parallel, shard_size, compute_model)
     original = groups
     groups_held, is_expert = expert_groups_under_ep(groups, ep)
     groups = tuple(groups_held)

@@ -148,7 +148,9 @@ def describe_layout(layout: Layout, *, max_ranks: int = 16, max_pieces: int = 8)
     lines = [
         f"world_size={layout.world_size} shard_size={size} align={layout.align} "
         f"lower_bound={layout.lower_bound} padding={layout.padding} "
-        f"({100 * layout.padding_ratio:.3f}%)"
+        f"({100 * layout.padding_ratio:.3f}%)",
+        "each piece: tensor[lo:hi] = elements lo..hi of the rank's shard; xNu = N whole units "
+        "(rows, or blocks of rows) of the tensor",
     ]
     order = sorted(layout.tensors, key=lambda s: layout.offsets[s.name])
     for rank in range(min(layout.world_size, max_ranks)):

@@ -1,0 +1,110 @@
+"""The command line as a newcomer meets it: help for every option, one note per shape, units."""
+
+import argparse
+
+import pytest
+
+from shard_planner import _cli
+from shard_planner._cli import main
+
+SUBCOMMANDS = ("plan", "compare", "show", "estimate", "advise")
+
+
+def _subparsers() -> dict[str, argparse.ArgumentParser]:
+    parser = _cli._parser()
+    (action,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(action.choices)
+
+
+@pytest.mark.parametrize("command", SUBCOMMANDS)
+def test_every_option_has_help_and_shows_its_default(command, capsys) -> None:
+    sub = _subparsers()[command]
+    for action in sub._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        name = action.option_strings[0] if action.option_strings else action.dest
+        assert action.help, f"{command} {name} has no help text"
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for action in sub._actions:
+        default = action.default
+        if action.option_strings and default not in (None, False, argparse.SUPPRESS):
+            shown = ",".join(map(str, default)) if isinstance(default, list) else str(default)
+            assert f"(default: {default})" in text or f"(default: {shown})" in text, (
+                command,
+                action.option_strings,
+            )
+    assert "(default: None)" not in text
+    assert "shard_planner._" not in text, "help names a private module"
+
+
+def test_plan_prints_one_note_per_group_shape(capsys) -> None:
+    assert main(["plan", "--preset", "llama3-8b", "--world-size", "64"]) == 0
+    out = capsys.readouterr().out
+    notes = [line for line in out.splitlines() if line.lstrip().startswith("note")]
+    # 32 identical decoder layers pad alike: one note, under the first, counting the rest;
+    # the output head (its own shape) has its own.
+    assert len(notes) == 2, notes
+    assert notes[0].startswith("  note (and for the 31 other groups of this shape):")
+    assert notes[1].startswith("  note: ") and "lm_head.weight" in notes[1]
+    assert out.count("model.layers.") >= 32  # every group still has its summary line
+
+
+def test_show_explains_its_notation(capsys) -> None:
+    argv = ["show", "--preset", "llama3-8b", "--world-size", "4", "--group", "model.layers.0"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "xNu = N whole units" in out and "x4096u" in out
+
+
+def test_estimate_states_units_per_rank(capsys) -> None:
+    assert main(["estimate", "--preset", "llama3-8b", "--shard-size", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "all-gather sent per rank per step" in out
+    assert " GB" not in out, "GiB everywhere"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["compare", "--preset", "llama3-8b", "--plot", "{out}"],
+        [
+            "advise",
+            "--preset",
+            "llama3-8b",
+            "--ranks",
+            "64",
+            "--memory-gb",
+            "80",
+            "--plot",
+            "{out}",
+        ],
+        ["show", "--preset", "llama3-8b", "--out", "{out}"],
+    ],
+    ids=["compare", "advise", "show"],
+)
+def test_a_picture_without_matplotlib_is_refused_before_any_work(
+    argv, tmp_path, monkeypatch, capsys
+) -> None:
+    real = _cli.importlib.util.find_spec
+    monkeypatch.setattr(
+        _cli.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "matplotlib" else real(name, *a),
+    )
+
+    def no_work(*_: object) -> None:
+        raise AssertionError("the model was loaded before the picture was checked")
+
+    monkeypatch.setattr(_cli, "_load_model", no_work)
+    argv = [part.replace("{out}", str(tmp_path / "p.png")) for part in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "needs matplotlib" in err and "pip install 'shard-planner[plot]'" in err
+    # A folder that does not exist is refused before the work too.
+    monkeypatch.undo()
+    monkeypatch.setattr(_cli, "_load_model", no_work)
+    argv = [part.replace(str(tmp_path), str(tmp_path / "missing")) for part in argv]
+    assert main(argv) == 2
+    assert "does not exist" in capsys.readouterr().err
