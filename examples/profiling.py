@@ -185,27 +185,28 @@ class Copies:
     bytes: int = 0
 
 
-def _engine_copies(prof: Any) -> dict[str, Copies]:
+def _engine_copies(prof: Any, by_range: bool) -> dict[str, Copies]:
     copies: dict[str, Copies] = {}
     for event in prof.events():
         if event.name not in _COPY_OPS:
             continue
-        parent, inside = event.cpu_parent, False
+        parent, where = event.cpu_parent, None
         while parent is not None:
             if parent.name in _COPY_OPS or parent.name.startswith(_BACKEND):
                 break  # counted at the outer copy, or the backend's own work
             if parent.name.startswith("FSDP::"):
-                inside = True
+                where = parent.name.split("(")[0]  # the stage, without the group's label
                 break
             parent = parent.cpu_parent
-        if inside:
-            entry = copies.setdefault(event.name, Copies())
+        if where is not None:
+            key = f"{event.name} in {where}" if by_range else event.name
+            entry = copies.setdefault(key, Copies())
             entry.kernels += 1
             entry.bytes += _bytes_written(event)
     return copies
 
 
-def engine_copies(fn: Callable[[], object]) -> dict[str, Copies]:
+def engine_copies(fn: Callable[[], object], *, by_range: bool = False) -> dict[str, Copies]:
     """Copy kernels `fn` runs inside an FSDP engine's own profiler ranges ("FSDP::*").
 
     Both our engine and torch FSDP2 label their work "FSDP::*". Counted on the training
@@ -214,13 +215,15 @@ def engine_copies(fn: Callable[[], object]) -> dict[str, Copies]:
 
     Args:
         fn: Runs the step(s) to measure.
+        by_range: Key by "op in FSDP::stage" (the engine's innermost range, e.g.
+            "aten::copy_ in FSDP::post_backward"): where in the step each copy runs.
 
     Returns:
-        By op name, the kernels and the bytes they wrote.
+        By op name (or op and stage), the kernels and the bytes they wrote.
     """
     with quiet_profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         fn()
-    return _engine_copies(prof)
+    return _engine_copies(prof, by_range)
 
 
 # What the training thread does in a step, by the outermost profiler event it is inside.

@@ -420,7 +420,7 @@ class _Log:
                 peak_live_bytes, include_live=True, lead_in=functools.partial(lead_in, step)
             )
         elif step - self.start == MEASURE_STEPS[1]:
-            measure = engine_copies
+            measure = functools.partial(engine_copies, by_range=True)
         elif step - self.start == MEASURE_STEPS[2]:
             measure = gathered_bytes
         t0 = time.perf_counter()
@@ -430,7 +430,7 @@ class _Log:
             box: list[float] = []
             result = measure(lambda: box.append(step_fn(step)))
             loss = box[0]
-            if measure is engine_copies:
+            if isinstance(measure, functools.partial) and measure.func is engine_copies:
                 self.record["copies"] = {
                     k: {"kernels": c.kernels, "bytes": c.bytes} for k, c in result.items()
                 }

@@ -2,8 +2,17 @@ import itertools
 import json
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from shard_planner import Layout, LayoutError, TensorSpec, plan_layout
+from shard_planner import (
+    Layout,
+    LayoutError,
+    TensorSpec,
+    fsdp2_padding,
+    fsdp2_whole_block_padding,
+    plan_layout,
+)
 
 
 def test_from_shape_blocks_are_rows_of_the_trailing_dims() -> None:
@@ -178,3 +187,27 @@ def test_plan_helpers_reject_the_wrong_types() -> None:
         load_plan(b"{}")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="takes a Layout, got dict"):
         explain_padding({})  # type: ignore[arg-type]
+
+
+@given(
+    shapes=st.lists(st.tuples(st.integers(1, 300), st.integers(1, 17)), min_size=1, max_size=6),
+    block_rows=st.integers(1, 40),
+    world=st.integers(1, 70),
+)
+def test_fsdp2_keeping_blocks_whole_pads_each_tensor_to_whole_blocks_per_rank(
+    shapes, block_rows, world
+) -> None:
+    specs = [TensorSpec.from_shape(f"t{i}", s, block_rows) for i, s in enumerate(shapes)]
+    padding = fsdp2_whole_block_padding(specs, world)
+    # Every tensor padded to a multiple of W blocks: each rank's even chunk is whole blocks.
+    expected = 0
+    for (rows, cols), spec in zip(shapes, specs, strict=True):
+        blocks = -(-rows * cols // spec.atom)
+        padded = -(-blocks // world) * world * spec.atom
+        assert padded % (world * spec.atom) == 0 and padded >= rows * cols
+        assert padded - rows * cols < world * spec.atom  # the least such padding
+        expected += padded - rows * cols
+    assert padding == expected
+    # One-row blocks: FSDP2's own Shard(0) padding.
+    rows_whole = [TensorSpec.from_shape(f"t{i}", s) for i, s in enumerate(shapes)]
+    assert fsdp2_whole_block_padding(rows_whole, world) == fsdp2_padding(rows_whole, world)

@@ -15,7 +15,7 @@ Example:
 
 from shard_planner._activations import ActivationModel
 from shard_planner._advise import Candidate, advise, factorisations
-from shard_planner._baselines import flat_padding, fsdp2_padding
+from shard_planner._baselines import flat_padding, fsdp2_padding, fsdp2_whole_block_padding
 from shard_planner._bounds import lower_bound
 from shard_planner._compute import ComputeModel
 from shard_planner._estimate import Estimate, estimate
@@ -59,6 +59,7 @@ __all__ = [
     "fit_links",
     "flat_padding",
     "fsdp2_padding",
+    "fsdp2_whole_block_padding",
     "fully_shard_calls",
     "load_group_file",
     "load_links",

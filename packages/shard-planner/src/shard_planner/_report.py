@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from shard_planner._baselines import flat_padding, fsdp2_padding
+from shard_planner._baselines import flat_padding, fsdp2_padding, fsdp2_whole_block_padding
 from shard_planner._bounds import ceil_to
 from shard_planner._layout import Layout
 from shard_planner._plan import plan_layout
@@ -28,7 +28,9 @@ class CaseResult:
         numel: Parameters in the model.
         padding: Our padding, summed over the groups.
         floor_padding: Padding if every group sat exactly at its lower bound.
-        fsdp2: FSDP2 per-parameter padding.
+        fsdp2: FSDP2 per-parameter padding (its even Shard(0) chunks cut blocks).
+        fsdp2_blocks: FSDP2's padding if it kept the blocks whole (each tensor padded to
+            block_rows x world_size rows; FSDP2 has no such option).
         flat: FSDP1-style flat padding (cuts blocks; not a valid layout for block_rows > 1).
         worst_bound_ratio: max over groups of S / lower_bound.
         worst_group: The group with that ratio.
@@ -41,6 +43,7 @@ class CaseResult:
     padding: int
     floor_padding: int
     fsdp2: int
+    fsdp2_blocks: int
     flat: int
     worst_bound_ratio: float
     worst_group: str
@@ -58,7 +61,7 @@ def compare_case(
         >>> case.worst_bound_ratio
         1.0
     """
-    padding = floor = fsdp2 = flat = 0
+    padding = floor = fsdp2 = fsdp2_blocks = flat = 0
     worst, worst_group = 1.0, "-"
     seconds = 0.0
     for group in preset.groups:
@@ -69,6 +72,7 @@ def compare_case(
         padding += layout.padding
         floor += world_size * layout.lower_bound - layout.total_numel
         fsdp2 += fsdp2_padding(specs, world_size)
+        fsdp2_blocks += fsdp2_whole_block_padding(specs, world_size)
         flat += flat_padding(specs, world_size, align=align)
         ratio = layout.shard_size / layout.lower_bound if layout.lower_bound else 1.0
         if ratio > worst:
@@ -80,6 +84,7 @@ def compare_case(
         padding,
         floor,
         fsdp2,
+        fsdp2_blocks,
         flat,
         worst,
         worst_group,
@@ -94,49 +99,75 @@ def format_table(preset: ModelPreset, cases: Sequence[CaseResult]) -> str:
         return f"{100 * value / total:9.3f}%"
 
     head = (
-        f"{'world':>6} {'rows':>5} {'ours':>10} {'floor':>10} {'fsdp2':>10} {'flat':>10} "
-        f"{'S/bound':>8} {'plan s':>7}  worst group"
+        f"{'world':>6} {'rows':>5} {'ours':>10} {'floor':>10} {'fsdp2':>10} "
+        f"{'fsdp2 whole':>12} {'flat':>10} {'S/bound':>8} {'plan s':>7}"
     )
     lines = [
-        f"{preset.name}: {preset.numel / 1e9:.2f}B parameters in {len(preset.groups)} groups",
+        f"{preset.name}: {preset.numel / 1e9:.2f}B parameters in {len(preset.groups)} groups; "
+        f"padding as % of the parameters (lower is better)",
         head,
     ]
+    above = []
     for c in cases:
         lines.append(
             f"{c.world_size:>6} {c.block_rows:>5} {pct(c.padding, c.numel)} "
-            f"{pct(c.floor_padding, c.numel)} {pct(c.fsdp2, c.numel)} {pct(c.flat, c.numel)} "
-            f"{c.worst_bound_ratio:>8.4f} {c.seconds:>7.3f}  {c.worst_group}"
+            f"{pct(c.floor_padding, c.numel)} {pct(c.fsdp2, c.numel)} "
+            f"{pct(c.fsdp2_blocks, c.numel):>12} {pct(c.flat, c.numel)} "
+            f"{c.worst_bound_ratio:>8.4f} {c.seconds:>7.3f}"
         )
+        if c.worst_bound_ratio > 1.0:
+            above.append(f"W={c.world_size}, {c.block_rows} rows: {c.worst_group}")
     lines.append(
-        "ours: our padding; floor: padding at every group's lower bound (no valid layout pads "
-        "less); fsdp2: per-parameter Shard(0); flat: FSDP1-style, cuts blocks"
+        "ours: blocks of `rows` rows kept whole; floor: every group at its lower bound (no "
+        "valid layout pads less); fsdp2: per-parameter Shard(0), which cuts blocks; fsdp2 "
+        "whole: Shard(0) with each tensor padded to rows x W rows so that no block is cut "
+        "(FSDP2 has no such option); flat: FSDP1-style, cuts blocks; S/bound: the largest "
+        "group's shard size over its lower bound"
+        + (f"; above 1 in {'; '.join(above)}" if above else " (1: every group at its bound)")
     )
     return "\n".join(lines)
 
 
 def plot_cases(preset: ModelPreset, cases: Sequence[CaseResult], path: str) -> None:
-    """Draws padding vs world size, one line per (scheme, block rows), into `path` (PNG)."""
+    """Draws padding vs world size, like with like, into `path` (PNG).
+
+    Per block size: ours beside FSDP2 keeping the same blocks whole (each tensor padded to
+    rows x W rows); then FSDP2 as it runs (Shard(0), which cuts blocks) and flat sharding.
+    """
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
-    for rows in sorted({c.block_rows for c in cases}):
+    colours = ("tab:blue", "tab:green", "tab:purple", "tab:brown")
+    all_rows = sorted({c.block_rows for c in cases})
+    for rows, colour in zip(all_rows, colours * len(all_rows), strict=False):
         sub = sorted((c for c in cases if c.block_rows == rows), key=lambda c: c.world_size)
         xs = [c.world_size for c in sub]
-        ax.plot(xs, [100 * c.padding / c.numel for c in sub], "o-", label=f"ours, {rows} rows")
-        if rows == min(c.block_rows for c in cases):
-            ax.plot(xs, [100 * c.fsdp2 / c.numel for c in sub], "s--", label="FSDP2 Shard(0)")
-            ax.plot(xs, [100 * c.flat / c.numel for c in sub], "^:", label="flat (cuts blocks)")
+        blocks = "rows whole" if rows == 1 else f"{rows}-row blocks whole"
+        ax.plot(xs, [100 * c.padding / c.numel for c in sub], "o-", color=colour,
+                label=f"ours, {blocks}")  # fmt: skip
+        if rows > 1:
+            label = f"FSDP2 Shard(0) padded to keep {rows}-row blocks whole"
+            ax.plot(xs, [100 * c.fsdp2_blocks / c.numel for c in sub], "o--", color=colour,
+                    alpha=0.6, label=label)  # fmt: skip
+    first = sorted((c for c in cases if c.block_rows == all_rows[0]), key=lambda c: c.world_size)
+    xs = [c.world_size for c in first]
+    ax.plot(xs, [100 * c.fsdp2 / c.numel for c in first], "s--", color="tab:orange",
+            label="FSDP2 Shard(0), rows whole (cuts larger blocks)")  # fmt: skip
+    ax.plot(xs, [100 * c.flat / c.numel for c in first], "^:", color="tab:red",
+            label="flat (FSDP1: cuts rows and blocks)")  # fmt: skip
     ax.set_xscale("log", base=2)
-    # Padding spans 0 to tens of percent and the interesting range is 0.01-10%: a log axis
-    # with a small linear part around 0, and a labelled tick at each decade.
+    ax.set_xticks(xs, [str(x) for x in xs])
+    # Padding spans 0 to thousands of percent and the interesting range is 0.01-10%: a log
+    # axis with a small linear part around 0, and a labelled tick at each decade reached.
     ax.set_yscale("symlog", linthresh=0.01, linscale=0.5)
-    ax.set_ylim(bottom=0)
-    ticks = [0.0, 0.01, 0.1, 1.0, 10.0, 100.0]
-    ax.set_yticks(ticks, ["0", "0.01%", "0.1%", "1%", "10%", "100%"])
-    ax.set_xlabel("FSDP world size")
-    ax.set_ylabel("padding, % of parameters")
+    top = max(100 * max(c.padding, c.fsdp2, c.fsdp2_blocks, c.flat) / c.numel for c in cases)
+    ticks = [0.0] + [10.0**k for k in range(-2, 6) if 10.0 ** (k - 1) < max(top, 1.0)]
+    ax.set_yticks(ticks, ["0"] + [f"{t:g}%" for t in ticks[1:]])
+    ax.set_ylim(bottom=0, top=ticks[-1] * 1.5)
+    ax.set_xlabel("FSDP world size (ranks per group)")
+    ax.set_ylabel("padding, % of the model's parameters (lower is better)")
     ax.set_title(f"{preset.name}: padding by sharding scheme")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
