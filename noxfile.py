@@ -208,66 +208,58 @@ def gpu(session: nox.Session) -> None:
 def demo(session: nox.Session) -> None:
     """The main job: train on Shakespeare with our engine, then with torch FSDP2, and compare.
 
-    Then once more with ours gathering its matrices as fp8 (`--gather fp8`): a third column.
-
-        Two gloo ranks on CPU each; prints the side-by-side table and writes the loss curves to
-        build/demo/loss.png. Then plans the real model presets and compares padding with FSDP2
-        (tables on stdout, plots in build/demo/<preset>.png). Pass train.py options after `--`.
+    Then once more with ours gathering its matrices as fp8 (`--gather fp8`): a third column;
+    then both engines' step times, alternated in one run. Two gloo ranks on CPU each; prints
+    the side-by-side table and writes the loss curves to build/demo/loss.png. Then plans the
+    real model presets and compares padding with FSDP2 (tables on stdout, plots in
+    build/demo/<preset>.png). Pass train.py options after `--`.
     """
+    steps = 6
     session.log(
-        "demo 1/5: installing torch and the five packages into .nox/demo (a few minutes the "
-        "first time, seconds after)"
+        f"demo 1/{steps}: installing torch and the five packages into .nox/demo (a few minutes "
+        f"the first time, seconds after)"
     )
     _install_members(session, TORCH_DEFAULT)
     session.install("tqdm", "matplotlib", "-e", "packages/shard-planner[plot]")
     out = ROOT / "build" / "demo"
     out.mkdir(parents=True, exist_ok=True)
+    # The measured steps run under torch's profiler, whose CPU allocator warns about every
+    # block allocated before it started: measurement noise, not the run's.
+    quiet = {"TORCH_CPP_LOG_LEVEL": "ERROR"}
     # Ours, FSDP2, then ours again with fp8 parameter gathers (in a folder of its own).
     runs = (("ours", "param", out), ("fsdp2", "param", out), ("ours", "fp8", out / "fp8"))
     for step, (engine, gather, folder) in enumerate(runs, start=2):
         session.log(
-            f"demo {step}/5: training on 2 gloo ranks with --engine {engine} --gather {gather} "
-            f"(a few minutes; a progress bar follows)"
+            f"demo {step}/{steps}: training 300 steps on 2 gloo ranks with --engine {engine} "
+            f"--gather {gather} (about a minute here; a progress bar follows)"
         )
         session.run(
-            "python",
-            "examples/train.py",
-            "--nproc",
-            "2",
-            "--engine",
-            engine,
-            "--gather",
-            gather,
-            "--out",
-            str(folder),
-            *session.posargs,
-            # The measured steps run under torch's profiler, whose CPU allocator warns about
-            # every block allocated before it started: measurement noise, not the run's.
-            env={"TORCH_CPP_LOG_LEVEL": "ERROR"},
-        )
-    session.log("demo 5/5: the side-by-side table, then the planner on four model presets")
-    session.run(
-        "python",
-        "examples/report.py",
-        str(out / "ours.json"),
-        str(out / "fsdp2.json"),
-        str(out / "fp8" / "ours.json"),
-        "--plot",
-        str(out / "loss.png"),
+            "python", "examples/train.py", "--nproc", "2", "--engine", engine,
+            "--gather", gather, "--out", str(folder), *session.posargs, env=quiet,
+        )  # fmt: skip
+    session.log(
+        f"demo 5/{steps}: step times of both engines, alternated in one run (10 rounds; "
+        f"about a minute)"
     )
+    session.run(
+        "python", "examples/train.py", "--nproc", "2", "--alternate", "10", "--out", str(out),
+        *session.posargs, env=quiet,
+    )  # fmt: skip
+    session.log(
+        f"demo 6/{steps}: the side-by-side table, then the planner's padding on four model "
+        f"presets (seconds)"
+    )
+    session.run(
+        "python", "examples/report.py", str(out / "ours.json"), str(out / "fsdp2.json"),
+        str(out / "fp8" / "ours.json"), "--timing", str(out / "timing.json"),
+        "--plot", str(out / "loss.png"),
+    )  # fmt: skip
     for preset in ("llama3-8b", "deepseek-v3-671b", "gpt-oss-120b", "qwen3-30b-a3b"):
         session.run(
-            "shard-planner",
-            "compare",
-            "--preset",
-            preset,
-            "--world-sizes",
-            "8,64,256,1024,3072,8192",
-            "--block-rows",
-            "1,32",
-            "--plot",
-            str(out / f"{preset}.png"),
-        )
+            "shard-planner", "compare", "--preset", preset,
+            "--world-sizes", "8,64,256,1024,3072,8192", "--block-rows", "1,32",
+            "--plot", str(out / f"{preset}.png"),
+        )  # fmt: skip
 
 
 @nox.session(default=False)

@@ -195,7 +195,7 @@ def _engine_copies(prof: Any, by_range: bool) -> dict[str, Copies]:
             if parent.name in _COPY_OPS or parent.name.startswith(_BACKEND):
                 break  # counted at the outer copy, or the backend's own work
             if parent.name.startswith("FSDP::"):
-                where = parent.name.split("(")[0]  # the stage, without the group's label
+                where = parent.name.split("(")[0].strip()  # the stage, not the group's label
                 break
             parent = parent.cpu_parent
         if where is not None:

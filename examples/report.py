@@ -1,6 +1,10 @@
 """Side-by-side table and loss curves of `train.py` runs (one JSON per engine).
 
 python examples/report.py build/demo/ours.json build/demo/fsdp2.json --plot build/demo/loss.png
+
+With `--timing build/demo/timing.json` (`train.py --alternate N`) it also prints the step
+times of both engines measured alternately in one run: one run per engine times each under
+whatever else loaded the machine then, so the table of runs leaves step times out.
 """
 
 from __future__ import annotations
@@ -12,18 +16,71 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+
+import alternate
+
 ROWS: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
     ("final train loss", lambda r: f"{r['train'][-1][1]:.4f}"),
     ("final validation loss", lambda r: f"{r['val'][-1][1]:.4f}"),
     ("unigram entropy (nats/char)", lambda r: f"{r['unigram_entropy']:.4f}"),
-    ("median step (ms)", lambda r: f"{r['median_step_s'] * 1e3:.1f}"),
-    ("tokens/s", lambda r: f"{r['tokens_per_s']:,.0f}"),
     ("peak live tensors, one step (MB)", lambda r: f"{r['peak_live_bytes'] / 1e6:.2f}"),
     ("copy kernels in the engine, one step", lambda r: str(_copies(r)[0])),
     ("bytes they copy, one step (MB)", lambda r: f"{_copies(r)[1] / 1e6:.2f}"),
     ("padding in the shards (bytes)", lambda r: f"{r['padding_bytes']:,}"),
     ("all-gathered into one rank, one step (MB)", lambda r: _gathered(r)),
 )
+
+
+# What each copy kernel the profiler finds inside an engine's ranges is, by op and stage.
+COPIES_EXPLAINED = {
+    "aten::copy_ in FSDP::unshard": "the rank's shard into its own chunk of the gathered "
+    "buffer, once per gather (as FSDP2's copy-in); the parameters are views of that buffer: "
+    "no copy-out",
+    "aten::copy_ in FSDP::post_backward": "each gradient autograd wrote into a tensor of its "
+    "own, into the group's reduce-scatter buffer: one kernel per gradient (FSDP2's chunk_cat "
+    "does it with one per group), the same bytes",
+    "aten::copy_ in FSDP::wait_for_reduce": "gloo only: the reduced shard, out of the buffer "
+    "gloo all-reduced in place, into the sharded gradient (NCCL reduce-scatters straight "
+    "into it)",
+    "aten::_to_copy in FSDP::unshard": "fp8 quantization: the 0-d scalars torch makes while "
+    "computing the block scales (bytes each)",
+    "aten::_to_copy in FSDP::wait_for_unshard": "fp8: the gathered codes widened to the "
+    "compute dtype (dequantization's first pass)",
+    "aten::copy_ in FSDP::wait_for_unshard": "fp8: the scaled values into each parameter's "
+    "place in the gathered buffer (dequantization's second pass)",
+    "fsdp::all_gather_copy_in in FSDP::all_gather": "FSDP2's copy-in: every parameter's "
+    "shard into one all-gather input",
+    "fsdp::split_with_sizes_copy in FSDP::all_gather_copy_out": "FSDP2's copy-out: the "
+    "gathered buffer out into each parameter (W x the shard's bytes)",
+    "fsdp::chunk_cat in FSDP::post_backward_reduce": "FSDP2: the gradients into the "
+    "reduce-scatter input, one kernel per group",
+    "aten::copy_ in FSDP::post_backward_reduce": "FSDP2 on gloo: the reduced shard into the "
+    "sharded gradient",
+}
+
+
+def copies_table(records: list[dict[str, Any]]) -> str:
+    """Each run's copy kernels in one step, by op and stage, with what each one is."""
+    lines = [
+        "Copy kernels inside the engine in one step (profiler, training thread):",
+        "| run | op, in stage | kernels | MB | what it is |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for record in records:
+        for key, count in record.get("copies", {}).items():
+            what = COPIES_EXPLAINED.get(key, "(not explained here)")
+            # fp8: the quantization of the shard into codes is an unshard copy too.
+            if record.get("gather") == "fp8" and key == "aten::copy_ in FSDP::unshard":
+                what = (
+                    "fp8 quantization: each block's scale and codes (clamped x / scale) into "
+                    "the send buffer; the 1-D parameters' shards into their chunk as without fp8"
+                )
+            lines.append(
+                f"| {name(record)} | {key} | {count['kernels']} | {count['bytes'] / 1e6:.2f} "
+                f"| {what} |"
+            )
+    return "\n".join(lines)
 
 
 def _gathered(record: dict[str, Any]) -> str:
@@ -36,9 +93,20 @@ def _copies(record: dict[str, Any]) -> tuple[int, int]:
     return sum(c["kernels"] for c in copies.values()), sum(c["bytes"] for c in copies.values())
 
 
+OPTIMIZERS = {
+    "flat-adamw": "ragged_optimizers.AdamW",
+    "adamw": "torch.optim.AdamW",
+    "muon": "ragged_optimizers.Muon",
+    "adamw8bit": "ragged_optimizers.AdamW8bit",
+}
+
+
 def name(record: dict[str, Any]) -> str:
-    """The run's engine, and its gather format when not the parameters' own."""
-    return str(record["engine"]) + (", fp8 gathers" if record.get("gather") == "fp8" else "")
+    """The run's engine and optimizer, and its gather format when not the parameters' own."""
+    engine = {"ours": "ours", "fsdp2": "FSDP2"}.get(record["engine"], record["engine"])
+    optimizer = OPTIMIZERS.get(record.get("optimizer", ""), record.get("optimizer", "?"))
+    fp8 = ", fp8 gathers" if record.get("gather") == "fp8" else ""
+    return f"{engine} + {optimizer}{fp8}"
 
 
 def table(records: list[dict[str, Any]]) -> str:
@@ -93,8 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("runs", nargs="+", type=pathlib.Path, help="JSON files of train.py")
     parser.add_argument("--plot", type=pathlib.Path, help="write the loss curves here (PNG)")
+    parser.add_argument(
+        "--timing", type=pathlib.Path, help="timing.json of train.py --alternate N, printed too"
+    )
     args = parser.parse_args(argv)
-    missing = [str(p) for p in args.runs if not p.is_file()]
+    given = [*args.runs, *([args.timing] if args.timing else [])]
+    missing = [str(p) for p in given if not p.is_file()]
     if missing:
         print(f"report.py: error: no such run file: {', '.join(missing)}", file=sys.stderr)
         return 2
@@ -102,6 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     print(table(records))
     if len(records) >= 2:
         print(agreement(records[0], records[1]))
+    print()
+    print(copies_table(records))
+    if args.timing is not None:
+        print()
+        print(alternate.timing_table(json.loads(args.timing.read_text())))
     if args.plot is not None:
         plot(records, args.plot)
         print(f"loss curves: {args.plot}")

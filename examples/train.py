@@ -42,6 +42,7 @@ from torch import nn
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
+import alternate
 import checkpoints
 from model import Config, Decoder, loss_fn
 from parallel import expert_parallel, tensor_parallel
@@ -241,6 +242,27 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         num_params=runner.over_stages(sum(p.numel() for p in model.parameters())),
     )
     return record
+
+
+def time_alternately(args: argparse.Namespace) -> dict[str, Any]:
+    """Step times of both engines, alternated in one run (`alternate.py`)."""
+    device = _device(args.device, dist.get_rank())
+    text = Text(args.data)
+    vocab = len(text.chars)
+
+    def setup(setup_args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer, Runner]:
+        model = build(setup_args, vocab, device)
+        return (
+            model,
+            make_optimizer(setup_args.optimizer, model, args.lr),
+            Runner(model, setup_args, device, vocab),
+        )
+
+    def batch(step: int) -> torch.Tensor:
+        rows = text.batch("train", args.seed, step, args.global_batch, args.seq_len)
+        return my_share(rows, args).to(device)
+
+    return alternate.time_setups(args, setup, batch, device)
 
 
 class Runner:
@@ -471,8 +493,13 @@ class _Log:
 def _progress(rank: int, start: int, steps: int) -> Any:
     if rank != 0:
         return None
+    import threading
+
     from tqdm import tqdm
 
+    # tqdm's default lock holds a multiprocessing semaphore; a spawned rank ends by os._exit
+    # (below), which leaves it to the resource tracker, and that warns of a leak at exit.
+    tqdm.set_lock(threading.RLock())
     return tqdm(total=steps, initial=start, unit="step", dynamic_ncols=True, file=sys.stdout)
 
 
@@ -491,6 +518,15 @@ def run(args: argparse.Namespace) -> None:
     """One rank's work (torch.distributed is initialized)."""
     import ragged_placement  # noqa: F401  (RaggedShard support in DTensor, for DCP and ops)
 
+    if args.alternate:
+        timing = time_alternately(args)
+        if dist.get_rank() == 0:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "timing.json").write_text(json.dumps(timing, indent=1))
+            print(alternate.timing_table(timing))
+        gc.collect()  # as below
+        dist.barrier()
+        return
     record = train(args)
     if dist.get_rank() == 0:
         args.out.mkdir(parents=True, exist_ok=True)

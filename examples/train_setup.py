@@ -91,6 +91,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sample-chars", type=int, default=300)
+    parser.add_argument(
+        "--alternate",
+        type=int,
+        default=0,
+        help="instead of training: time N rounds of ours and FSDP2 alternated in one run "
+        "(examples/alternate.py), written to <out>/timing.json",
+    )
     args = parser.parse_args(argv)
     if args.optimizer is None:  # the same arithmetic either way: each engine's fast one
         args.optimizer = "flat-adamw" if args.engine == "ours" else "adamw"
@@ -109,6 +116,11 @@ def check_args(args: argparse.Namespace, world: int) -> None:
         size = getattr(args, name)
         if size < 1 or world % size:
             raise UsageError(f"--{name} {size} must be >= 1 and divide the {world} ranks")
+    if args.alternate < 0:
+        raise UsageError(f"--alternate must be >= 0 (rounds), got {args.alternate}")
+    if args.alternate and (args.pp > 1 or args.gather != "param" or args.checkpoint):
+        raise UsageError("--alternate times plain runs: use it without --pp, --gather fp8 and "
+                         "--checkpoint")  # fmt: skip
     if args.pp > 1 and (args.tp > 1 or args.ep > 1):
         raise UsageError("--pp in this example runs without --tp and --ep")
     if args.pp > args.layers:
