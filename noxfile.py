@@ -128,11 +128,14 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def build(session: nox.Session) -> None:
-    """Build each package's wheel and sdist, then install each wheel alone in a fresh venv.
+    """Build each package's wheel and sdist, then install each wheel alone in a fresh venv;
+    then run each `pip install` line of the README's Install section in a fresh venv.
 
-    Sibling dependencies resolve only from the freshly built wheels (no index), so this proves
-    that every package's published metadata is complete. torch-dependent packages see the CPU
-    torch 2.13.0 and numpy, installed once for all of them.
+    Sibling dependencies of a wheel resolve only from the freshly built wheels (no index), so
+    this proves that every package's published metadata is complete. torch-dependent packages
+    see the CPU torch 2.13.0, installed once for all of them (and numpy, for the wheels: the
+    README's lines must bring it themselves). The line that installs the engine then runs the
+    README's Quick start (the import swap and `dcp.save`) on 2 gloo ranks.
     """
     session.install("build>=1.2")
     dist = ROOT / "dist"
@@ -140,36 +143,93 @@ def build(session: nox.Session) -> None:
     for folder in PACKAGES:
         session.run("python", "-m", "build", "--outdir", str(dist), f"packages/{folder}")
     with tempfile.TemporaryDirectory() as torch_tmp:
-        # The third-party dependencies (torch, and numpy for DCP) are installed once, into a
-        # folder of their own, and each fresh venv of a torch-dependent package sees them
-        # through a .pth file: pip there counts them as installed.
-        torch_site = pathlib.Path(torch_tmp) / "site"
-        session.run(
-            "python", "-m", "pip", "install", "-q", "--target", str(torch_site),
-            f"torch=={TORCH_DEFAULT}", "numpy",
-        )  # fmt: skip
+        # The third-party dependencies are installed once, into folders of their own, and
+        # each fresh venv sees them through a .pth file (pip there counts them as
+        # installed): torch alone, and numpy beside it for the wheels installed without an
+        # index (ragged-placement needs numpy; the README's lines must bring it themselves).
+        torch_site = pathlib.Path(torch_tmp) / "torch"
+        numpy_site = pathlib.Path(torch_tmp) / "numpy"
+        pip_target = ("python", "-m", "pip", "install", "-q", "--target")
+        session.run(*pip_target, str(torch_site), f"torch=={TORCH_DEFAULT}")
+        session.run(*pip_target, str(numpy_site), "numpy")
         for module in PACKAGES.values():
-            _check_wheel_alone(session, dist, module, torch_site)
+            _check_wheel_alone(session, dist, module, [torch_site, numpy_site])
+        for line in _readme_install_lines():
+            _check_install_line(session, line, torch_site)
+
+
+def _readme_install_lines() -> list[list[str]]:
+    """The `pip install` lines of the root README's Install section, as argument lists."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("\n## Install\n")
+    section = text[start : text.index("\n## ", start + 1)]
+    lines = [line.split()[2:] for line in section.splitlines() if line.startswith("pip install")]
+    if not lines:
+        raise RuntimeError("the README's Install section has no `pip install` line")
+    return lines
+
+
+def _readme_quick_start() -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index("\n## Quick start\n")
+    return text[start:].split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def _new_venv(session: nox.Session, folder: pathlib.Path, sites: list[pathlib.Path]) -> str:
+    """A venv without pip (the session's pip installs into it) seeing `sites`; its python."""
+    session.run("python", "-m", "venv", "--without-pip", str(folder))
+    python = str(folder / "bin" / "python")
+    if sites:
+        site = session.run(
+            python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))",
+            external=True, silent=True,
+        )  # fmt: skip
+        assert isinstance(site, str)
+        (pathlib.Path(site.strip()) / "shared_site.pth").write_text(
+            "".join(f"{s}\n" for s in sites)
+        )
+    return python
+
+
+def _check_install_line(session: nox.Session, args: list[str], torch_site: pathlib.Path) -> None:
+    """Runs one README install line in a fresh venv (folders from the repository root, the
+    index for their build backend and numpy), imports what it installed, and for the full
+    line runs the README's Quick start on 2 ranks."""
+    folders = [pathlib.Path(a).name for a in args if a.startswith("./packages/")]
+    if len(folders) != len(args) or not set(folders) <= set(PACKAGES):
+        session.error(f"README install line names something other than package folders: {args}")
+    modules = [PACKAGES[f] for f in folders]
+    session.log(f"README install line: pip install {' '.join(args)}")
+    with tempfile.TemporaryDirectory() as tmp:
+        needs_torch = folders != ["shard-planner"]
+        python = _new_venv(session, pathlib.Path(tmp) / "venv", [torch_site] if needs_torch else [])
+        paths = [str(ROOT / "packages" / f) for f in folders]
+        session.run("python", "-m", "pip", "--python", python, "install", "-q", *paths)
+        check = "; ".join(f"import {m}" for m in modules)
+        if not needs_torch:
+            check += "; import sys; assert 'torch' not in sys.modules"
+        session.run(python, "-c", check, external=True)
+        if "fsdp_engine" in modules:
+            script = pathlib.Path(tmp) / "quick_start.py"
+            script.write_text(_readme_quick_start())
+            with session.chdir(tmp):
+                session.run(
+                    python, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                    str(script), external=True, env={"OMP_NUM_THREADS": "1"},
+                )  # fmt: skip
+            if not (pathlib.Path(tmp) / "checkpoint" / ".metadata").is_file():
+                session.error("the README's Quick start wrote no DCP checkpoint")
 
 
 def _check_wheel_alone(
-    session: nox.Session, dist: pathlib.Path, module: str, torch_site: pathlib.Path
+    session: nox.Session, dist: pathlib.Path, module: str, sites: list[pathlib.Path]
 ) -> None:
     wheels = sorted(dist.glob(f"{module}-*.whl"))
     if len(wheels) != 1:
         session.error(f"expected one wheel for {module} in {dist}, found {wheels}")
     with tempfile.TemporaryDirectory() as tmp:
-        venv = pathlib.Path(tmp) / "venv"
-        # No pip and no bundled (old) setuptools in it: the session's pip installs into it.
-        session.run("python", "-m", "venv", "--without-pip", str(venv))
-        python = str(venv / "bin" / "python")
-        if module != "shard_planner":
-            site = session.run(
-                python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))",
-                external=True, silent=True,
-            )  # fmt: skip
-            assert isinstance(site, str)
-            (pathlib.Path(site.strip()) / "torch_site.pth").write_text(f"{torch_site}\n")
+        needs = [] if module == "shard_planner" else sites
+        python = _new_venv(session, pathlib.Path(tmp) / "venv", needs)
         pip = ["python", "-m", "pip", "--python", python, "install", "-q"]
         session.run(*pip, "--no-index", "--find-links", str(dist), str(wheels[0]))
         check = f"import {module}; print({module}.__name__, {module}.__version__)"

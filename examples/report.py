@@ -34,9 +34,9 @@ ROWS: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
 
 # What each copy kernel the profiler finds inside an engine's ranges is, by op and stage.
 COPIES_EXPLAINED = {
-    "aten::copy_ in FSDP::unshard": "the rank's shard into its own chunk of the gathered "
-    "buffer, once per gather (as FSDP2's copy-in); the parameters are views of that buffer: "
-    "no copy-out",
+    "aten::copy_ in FSDP::unshard": "gloo only: the rank's shard into its own chunk of the "
+    "gathered buffer, which gloo then broadcasts in place (NCCL's all-gather reads the shard "
+    "itself); the parameters are views of that buffer: no copy-out",
     "aten::copy_ in FSDP::post_backward": "each gradient autograd wrote into a tensor of its "
     "own, into the group's reduce-scatter buffer: one kernel per gradient (FSDP2's chunk_cat "
     "does it with one per group), the same bytes",

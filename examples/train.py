@@ -536,7 +536,8 @@ def run(args: argparse.Namespace) -> None:
             f"{args.engine}: {record['num_params']:,} params, W={record['world']}, "
             f"final train loss {record['train'][-1][1]:.4f}, val loss {final_val:.4f} "
             f"(unigram entropy {record['unigram_entropy']:.4f}), "
-            f"{record['median_step_s'] * 1e3:.0f} ms/step, {record['tokens_per_s']:,.0f} tok/s"
+            f"{record['median_step_s'] * 1e3:.0f} ms/step in this run alone "
+            f"({record['tokens_per_s']:,.0f} tok/s; --alternate N compares engines)"
             + (" (short run: warm-up steps included)" if record["timed_every_step"] else "")
         )
         print(f"--- sample ({args.engine}) ---\n{record['sample']}\n---")

@@ -33,7 +33,7 @@ def test_validation_tool_predicts_each_measured_step(tmp_path) -> None:
         serial = row["compute_s"] + row["comm_s"] + row["update_s"] + row["host_s"]
         assert row["predicted_s"] <= serial + 1e-9
         assert row["error"] == row["predicted_s"] / row["step_s"] - 1
-        # The model's error: within 25% at 12 steps (the shard-planner README's table); two
+        # The model's error: within 25% at 12 steps (docs/shard-planner.md's table); two
         # steps of one repeat on a shared 2-core machine are noisier, so the bound here is
         # 50% (this machine: -4% .. +2%). A missing term (communication, the update or the
         # host work) moved it by 15-40% when it was built.
