@@ -59,7 +59,8 @@ def test_stacks_are_batches_and_convs_are_flattened(ns_batch_numel) -> None:
 
 def test_batches_follow_shape_order_and_element_budget() -> None:
     from ragged_optimizers._layout import layout_of
-    from ragged_optimizers._muon import _Item, _units
+    from ragged_optimizers._muon_exchange import Item as _Item
+    from ragged_optimizers._muon_exchange import make_units as _units
 
     shapes = [(4, 8), (8, 4), (4, 8), (4, 8), (2, 4, 8), (4, 8), (8, 4)]
     groups = [{}, {}]

@@ -19,7 +19,6 @@ Memory model (see docs/architecture.md, "DBuffer"):
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
@@ -31,25 +30,20 @@ from torch.distributed.tensor import DTensor
 
 from dbuffer._checks import (
     BlockRows,
-    block_rows_by_name,
-    check_align_bytes,
     check_axis,
     check_dtype,
-    check_layout,
     check_name,
-    check_num_shard_dims,
-    check_tensors,
     renamed_keyword,
 )
 from dbuffer._comm import ShardComm, comm_for
+from dbuffer._entries import plan_entries
 from dbuffer._freeable import FreeableBuffer, check_freed_default
 from dbuffer._gradients import Gradients
 from dbuffer._handle import Handle
-from dbuffer._outer import OuterSpec, check_rows_within_piece, outer_spec
 from dbuffer._shards import ShardViews
 from dbuffer._streams import record_event
 from dbuffer._wire import BlockFloat8, Float8Wire
-from shard_planner import Layout, TensorSpec, plan_layout
+from shard_planner import Layout
 
 
 class DBuffer:
@@ -112,16 +106,6 @@ class DBuffer:
         replicate_axis = renamed_keyword(
             "replicate_dim", replicate_dim, "replicate_axis", replicate_axis
         )
-        tensors = list(tensors)
-        given = list(tensors)  # what a block_rows function sees
-        # DTensor entries (sharded over other axes): the local piece is what gets planned.
-        self._outer: dict[str, OuterSpec] = {}
-        for index, (name, t) in enumerate(tensors):
-            if isinstance(t, DTensor):
-                self._outer[name] = outer_spec(name, t, mesh)
-                with torch.no_grad():
-                    tensors[index] = (name, t.to_local())
-        check_tensors(tensors)
         if check_freed is not None and not isinstance(check_freed, bool):
             raise TypeError(f"check_freed must be a bool or None, got {check_freed!r}")
         self.check_freed = check_freed_default() if check_freed is None else check_freed
@@ -134,24 +118,19 @@ class DBuffer:
             raise ValueError(
                 f"replicate_axis and shard_axis must differ, both are {self.shard_axis}"
             )
+        entries = plan_entries(
+            tensors,
+            mesh,
+            mesh.size(self.shard_axis),
+            block_rows=block_rows,
+            num_shard_dims=num_shard_dims,
+            align_bytes=align_bytes,
+            layout=layout,
+        )
+        self._outer, self._shapes, self.layout = entries.outer, entries.shapes, entries.layout
+        tensors = entries.tensors
         first = tensors[0][1]
         self.dtype, self.device = first.dtype, first.device
-        rows = block_rows_by_name(block_rows, given)
-        cut_dims = check_num_shard_dims(num_shard_dims, tensors)
-        self._shapes = {name: t.shape for name, t in tensors}
-        world = mesh.size(self.shard_axis)
-        specs = [
-            TensorSpec.from_shape(name, t.shape, rows[name], num_shard_dims=cut_dims[name])
-            for name, t in tensors
-        ]
-        for name, outer in self._outer.items():
-            shape = self._shapes[name]
-            num_rows = math.prod(shape[: cut_dims[name]]) if shape else 1
-            # rows[name] was checked by TensorSpec above
-            check_rows_within_piece(name, outer, num_rows, rows[name])
-        align = check_align_bytes(align_bytes, first.element_size())
-        self.layout = layout if layout is not None else plan_layout(specs, world, align=align)
-        check_layout(self.layout, specs, world)
         self._rank = mesh.get_local_rank(self.shard_axis)
         group = mesh.get_group(self.shard_axis)
         self._comm: ShardComm = comm_for(group, self.device)

@@ -45,7 +45,7 @@ def block_rows_by_name(
                 "DBuffer(block_rows=f) with f(name, shape) is deprecated: f now takes "
                 "(name, tensor), as fully_shard's block_rows takes (fqn, param)",
                 DeprecationWarning,
-                3,
+                4,  # this, plan_entries, DBuffer.__init__: the caller's line
             )
             return {name: block_rows(name, t.shape) for name, t in tensors}  # type: ignore[arg-type]
         return {name: block_rows(name, t) for name, t in tensors}

@@ -15,7 +15,8 @@ Example:
 
 from ragged_optimizers._adamw8bit import AdamW8bit
 from ragged_optimizers._flat_adamw import AdamW
-from ragged_optimizers._muon import Muon, matrix_shape
+from ragged_optimizers._muon import Muon
+from ragged_optimizers._muon_exchange import matrix_shape
 from ragged_optimizers._newton_schulz import newton_schulz, resolve_coefficients
 from ragged_optimizers._owner_plan import MatrixAssignment, makespan, ns_flops, plan_owners
 from ragged_optimizers._quantize import dequantize, dynamic_map, quantize

@@ -20,35 +20,32 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ragged_optimizers._adamw import adamw_step, check_betas, check_nonnegative
 from ragged_optimizers._compat import foreach_add_, foreach_lerp, foreach_lerp_, foreach_mul_
 from ragged_optimizers._layout import ParamLayout, layout_of, local_flat
+from ragged_optimizers._muon_exchange import (
+    COMM_DTYPE,
+    Item,
+    Unit,
+    agree,
+    assemble,
+    buckets,
+    by_process_group,
+    make_units,
+    matrix_shape,
+    plan_units,
+    send_back,
+    send_to_owners,
+)
 from ragged_optimizers._newton_schulz import newton_schulz, resolve_coefficients
-from ragged_optimizers._owner_plan import MatrixAssignment, ns_flops, plan_owners
+from ragged_optimizers._owner_plan import MatrixAssignment, ns_flops
 from ragged_optimizers._step import StepOptimizer
 
 ADJUST_LR = ("original", "match_rms_adamw")
-_COMM_DTYPE = torch.bfloat16
-
-
-def matrix_shape(shape: Sequence[int]) -> tuple[int, ...]:
-    """The matrix (or stack) Newton-Schulz sees: 2-D as is, 3-D a stack, 4-D (out, rest).
-
-    Example:
-        >>> matrix_shape((64, 3, 3, 3))
-        (64, 27)
-    """
-    if len(shape) in (2, 3):
-        return tuple(shape)
-    if len(shape) == 4:
-        return (shape[0], math.prod(shape[1:]))
-    raise ValueError(f"Muon takes 2-D, 3-D or 4-D parameters, got shape {tuple(shape)}")
 
 
 def adjusted_lr(lr: float, adjust_lr: str, shape: Sequence[int]) -> float:
@@ -62,51 +59,6 @@ def adjusted_lr(lr: float, adjust_lr: str, shape: Sequence[int]) -> float:
     if adjust_lr == "original":
         return lr * math.sqrt(max(1.0, rows / cols))
     return lr * 0.2 * math.sqrt(max(rows, cols))
-
-
-@dataclass
-class _Item:
-    """One sharded Muon matrix on this step."""
-
-    param: torch.Tensor
-    name: str
-    layout: ParamLayout
-    update: torch.Tensor  # this rank's piece of the momentum-updated matrix, in bfloat16
-    group: dict[str, Any]
-
-
-@dataclass
-class _Unit:
-    """Matrices orthogonalized together: one, or a stack of same-shape 2-D matrices."""
-
-    items: list[_Item]
-    owner: int = 0
-
-    @property
-    def layout(self) -> ParamLayout:
-        return self.items[0].layout
-
-    @property
-    def group(self) -> dict[str, Any]:
-        return self.items[0].group
-
-    @property
-    def name(self) -> str:
-        extra = len(self.items) - 1
-        return self.items[0].name + (f" (+{extra} of its shape)" if extra else "")
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """What Newton-Schulz sees: the matrix, or (count, rows, cols) for a stack."""
-        shape = matrix_shape(self.layout.full_shape)
-        return shape if len(self.items) == 1 else (len(self.items), *shape)
-
-    @property
-    def numel(self) -> int:
-        return sum(item.layout.numel for item in self.items)
-
-    def piece(self, rank: int) -> int:
-        return sum(hi - lo for lo, hi in (item.layout.ranges[rank] for item in self.items))
 
 
 class Muon(StepOptimizer):
@@ -255,14 +207,14 @@ class Muon(StepOptimizer):
 
     # -- the plan -----------------------------------------------------------------------------
 
-    def _sharded(self) -> list[_Item]:
+    def _sharded(self) -> list[Item]:
         out = []
         for group in self.param_groups:
             if group["use_muon"]:
                 for param, name in zip(group["params"], self._names(group), strict=True):
                     layout = self._layout(param, name)
                     if layout.num_ranks > 1:
-                        out.append(_Item(param, name, layout, torch.empty(0), group))
+                        out.append(Item(param, name, layout, torch.empty(0), group))
         return out
 
     def owner_plan(self) -> tuple[MatrixAssignment, ...]:
@@ -283,8 +235,8 @@ class Muon(StepOptimizer):
         sharded = self._sharded()
         ns_steps = max((g["ns_steps"] for g in self.param_groups), default=5)
         owners: dict[int, int] = {}
-        for members in _by_process_group(sharded):
-            for unit in _plan(_units(members, self._ns_batch_numel), ns_steps):
+        for members in by_process_group(sharded):
+            for unit in plan_units(make_units(members, self._ns_batch_numel), ns_steps):
                 owners.update((id(item), unit.owner) for item in unit.items)
         out = []
         for index, item in enumerate(sharded):
@@ -300,8 +252,8 @@ class Muon(StepOptimizer):
 
     def _step(self) -> None:
         """One step on the current gradients (`step` runs the closure first, then this)."""
-        sharded: list[_Item] = []
-        local: list[_Item] = []
+        sharded: list[Item] = []
+        local: list[Item] = []
         for group in self.param_groups:
             if not group["use_muon"]:
                 self._adamw(group)
@@ -310,26 +262,26 @@ class Muon(StepOptimizer):
                 layout = self._layout(param, name)
                 if layout.num_ranks > 1:
                     # Sharded matrices join the exchange even without a gradient; they are
-                    # filtered once all ranks agree (see _agree).
-                    sharded.append(_Item(param, name, layout, torch.empty(0), group))
+                    # filtered once all ranks agree (see agree).
+                    sharded.append(Item(param, name, layout, torch.empty(0), group))
                 elif param.grad is not None:
-                    local.append(_Item(param, name, layout, torch.empty(0), group))
-        for unit in _units(local, self._ns_batch_numel):
+                    local.append(Item(param, name, layout, torch.empty(0), group))
+        for unit in make_units(local, self._ns_batch_numel):
             updates = self._orthogonalize_unit(unit, self._momenta(unit.items))
             self._apply_unit(unit, updates)
         if sharded:
-            for members in _by_process_group(_agree(sharded)):
+            for members in by_process_group(agree(sharded)):
                 for item, update in zip(members, self._momenta(members), strict=True):
-                    item.update = update.to(_COMM_DTYPE)
-                self._exchange(_units(members, self._ns_batch_numel))
+                    item.update = update.to(COMM_DTYPE)
+                self._exchange(make_units(members, self._ns_batch_numel))
 
-    def _momenta(self, items: list[_Item]) -> list[torch.Tensor]:
+    def _momenta(self, items: list[Item]) -> list[torch.Tensor]:
         """Updates the momentum of each item's local piece; returns what to orthogonalize.
 
         Multi-tensor (foreach) ops per param group: a few kernel launches for all of them.
         """
         out: dict[int, torch.Tensor] = {}
-        by_group: dict[int, list[_Item]] = {}
+        by_group: dict[int, list[Item]] = {}
         for item in items:
             by_group.setdefault(id(item.group), []).append(item)
         for members in by_group.values():
@@ -349,7 +301,7 @@ class Muon(StepOptimizer):
             out.update((id(item), u) for item, u in zip(members, updates, strict=True))
         return [out[id(item)] for item in items]
 
-    def _apply_unit(self, unit: _Unit, updates: list[torch.Tensor]) -> None:
+    def _apply_unit(self, unit: Unit, updates: list[torch.Tensor]) -> None:
         """Applies each matrix's (local piece of its) update: the same lr for the whole unit."""
         group = unit.group
         locals_ = [local_flat(item.param) for item in unit.items]
@@ -359,7 +311,7 @@ class Muon(StepOptimizer):
 
     def _momentum(self, param: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
         """`_momenta` of one parameter (for callers that go matrix by matrix)."""
-        item = _Item(param, "", self._layout(param, ""), torch.empty(0), group)
+        item = Item(param, "", self._layout(param, ""), torch.empty(0), group)
         return self._momenta([item])[0]
 
     def _orthogonalize(
@@ -372,7 +324,7 @@ class Muon(StepOptimizer):
         out = newton_schulz(matrix, coefficients, eps=group["eps"], norm_scale=norm_scale)
         return layout.take_blocks(out.reshape(1, -1))[0]
 
-    def _orthogonalize_unit(self, unit: _Unit, fulls: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _orthogonalize_unit(self, unit: Unit, fulls: list[torch.Tensor]) -> list[torch.Tensor]:
         """The flat orthogonalized update of each of a unit's matrices (full, flat inputs)."""
         if len(fulls) == 1:
             return [self._orthogonalize(fulls[0], unit.layout, unit.group)]
@@ -388,24 +340,24 @@ class Muon(StepOptimizer):
         self, param: torch.Tensor, layout: ParamLayout, update: torch.Tensor, group: dict[str, Any]
     ) -> None:
         """`_apply_unit` of one parameter (for callers that go matrix by matrix)."""
-        self._apply_unit(_Unit([_Item(param, "", layout, torch.empty(0), group)]), [update])
+        self._apply_unit(Unit([Item(param, "", layout, torch.empty(0), group)]), [update])
 
-    def _exchange(self, units: list[_Unit]) -> None:
+    def _exchange(self, units: list[Unit]) -> None:
         layout0 = units[0].layout
         process_group, me, world = layout0.group, layout0.rank, layout0.num_ranks
         assert process_group is not None
         ns_steps = max(unit.group["ns_steps"] for unit in units)
-        _plan(units, ns_steps)
-        buckets = _buckets(units, self._bucket_bytes)
-        inbound = [_send_to_owners(bucket, me, world, process_group) for bucket in buckets]
+        plan_units(units, ns_steps)
+        bucket_list = buckets(units, self._bucket_bytes)
+        inbound = [send_to_owners(bucket, me, world, process_group) for bucket in bucket_list]
         outbound = []
-        for bucket, (received, work) in zip(buckets, inbound, strict=True):
+        for bucket, (received, work) in zip(bucket_list, inbound, strict=True):
             work.wait()
             updates = {}
-            for unit, fulls in _assemble(bucket, received, me, world):
+            for unit, fulls in assemble(bucket, received, me, world):
                 updates[id(unit)] = self._orthogonalize_unit(unit, fulls)
-            outbound.append(_send_back(bucket, updates, me, world, process_group))
-        for bucket, (received, work) in zip(buckets, outbound, strict=True):
+            outbound.append(send_back(bucket, updates, me, world, process_group))
+        for bucket, (received, work) in zip(bucket_list, outbound, strict=True):
             work.wait()
             offset = 0
             for src in range(world):
@@ -441,154 +393,3 @@ class Muon(StepOptimizer):
                 eps=group["adamw_eps"],
                 weight_decay=group["adamw_weight_decay"],
             )
-
-
-# -- the exchange, as functions of the plan -----------------------------------------------------
-
-
-def _units(items: list[_Item], batch_numel: int) -> list[_Unit]:
-    """Same-shape 2-D matrices of one group in order, up to `batch_numel` elements per unit.
-
-    A matrix of a 3-D stack, or one that cannot share `batch_numel` with another of its
-    shape, is a unit alone. Built from shapes and order alone: the same units on any number
-    of ranks.
-    """
-    units: list[_Unit] = []
-    open_units: dict[tuple[Any, ...], _Unit] = {}
-    for item in items:
-        layout = item.layout
-        shape = matrix_shape(layout.full_shape)
-        numel = math.prod(shape)
-        if len(shape) != 2 or 2 * numel > batch_numel:
-            units.append(_Unit([item]))
-            continue
-        # Batched matrices must also be split alike over any tensor-parallel axes.
-        others = tuple(p for axis, p in enumerate(layout.placements) if axis != layout.axis)
-        key = (id(item.group), shape, layout.shape, others, item.param.dtype)
-        unit = open_units.get(key)
-        if unit is None or (len(unit.items) + 1) * numel > batch_numel:
-            unit = open_units[key] = _Unit([])
-            units.append(unit)
-        unit.items.append(item)
-    return units
-
-
-def _plan(units: list[_Unit], ns_steps: int) -> list[_Unit]:
-    """Sets each unit's owner (LPT over the units), the same on every rank."""
-    if units:
-        world = units[0].layout.num_ranks
-        plan = plan_owners(
-            [unit.name for unit in units],
-            [unit.shape for unit in units],
-            [[unit.piece(rank) for rank in range(world)] for unit in units],
-            world,
-            ns_steps,
-        )
-        for unit, assignment in zip(units, plan, strict=True):
-            unit.owner = assignment.owner
-    return units
-
-
-def _agree(items: list[_Item]) -> list[_Item]:
-    """The sharded matrices with a gradient, after checking every rank agrees (no hang)."""
-    kept = []
-    for members in _by_process_group(items):
-        flags = torch.tensor([float(m.param.grad is not None) for m in members])
-        group = members[0].layout.group
-        dist.all_reduce(flags, group=group)
-        world = members[0].layout.num_ranks
-        for item, count in zip(members, flags.tolist(), strict=True):
-            if count not in (0.0, float(world)):
-                raise ValueError(
-                    f"Muon: {item.name} has a gradient on {int(count)} of {world} ranks; a "
-                    f"sharded matrix needs its gradient on every rank or on none"
-                )
-            if count:
-                kept.append(item)
-    return kept
-
-
-def _by_process_group(items: list[_Item]) -> list[list[_Item]]:
-    groups: dict[int, list[_Item]] = {}
-    for item in items:
-        groups.setdefault(id(item.layout.group), []).append(item)
-    return list(groups.values())
-
-
-def _buckets(units: list[_Unit], bucket_bytes: int) -> list[list[_Unit]]:
-    buckets: list[list[_Unit]] = [[]]
-    size = 0
-    for unit in units:
-        if buckets[-1] and size + unit.numel * 2 > bucket_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(unit)
-        size += unit.numel * 2
-    return buckets
-
-
-def _send_to_owners(
-    bucket: list[_Unit], me: int, world: int, group: dist.ProcessGroup
-) -> tuple[torch.Tensor, Any]:
-    # Input in destination order, output in source order; pieces keep the bucket's order.
-    send = [
-        item.update for dst in range(world) for u in bucket if u.owner == dst for item in u.items
-    ]
-    send_splits = [sum(u.piece(me) for u in bucket if u.owner == dst) for dst in range(world)]
-    recv_splits = [sum(u.piece(src) for u in bucket if u.owner == me) for src in range(world)]
-    return _all_to_all(send, send_splits, recv_splits, group)
-
-
-def _assemble(
-    bucket: list[_Unit], received: torch.Tensor, me: int, world: int
-) -> list[tuple[_Unit, list[torch.Tensor]]]:
-    owned = [unit for unit in bucket if unit.owner == me]
-    if len(owned) == 1 and len(owned[0].items) == 1:
-        return [(owned[0], [received])]  # the pieces arrived in rank order: the whole matrix
-    fulls = [[torch.empty(i.layout.numel, dtype=_COMM_DTYPE) for i in u.items] for u in owned]
-    offset = 0
-    for src in range(world):
-        for unit, unit_fulls in zip(owned, fulls, strict=True):
-            for item, full in zip(unit.items, unit_fulls, strict=True):
-                lo, hi = item.layout.ranges[src]
-                full[lo:hi].copy_(received[offset : offset + hi - lo])
-                offset += hi - lo
-    return list(zip(owned, fulls, strict=True))
-
-
-def _send_back(
-    bucket: list[_Unit],
-    updates: dict[int, list[torch.Tensor]],
-    me: int,
-    world: int,
-    group: dist.ProcessGroup,
-) -> tuple[torch.Tensor, Any]:
-    owned = [unit for unit in bucket if unit.owner == me]
-    send = []
-    for dst in range(world):
-        for unit in owned:
-            for item, update in zip(unit.items, updates[id(unit)], strict=True):
-                lo, hi = item.layout.ranges[dst]
-                send.append(update[lo:hi])
-    send_splits = [sum(u.piece(dst) for u in owned) for dst in range(world)]
-    recv_splits = [sum(u.piece(me) for u in bucket if u.owner == src) for src in range(world)]
-    return _all_to_all(send, send_splits, recv_splits, group)
-
-
-def _all_to_all(
-    pieces: list[torch.Tensor],
-    send_splits: list[int],
-    recv_splits: list[int],
-    group: dist.ProcessGroup,
-) -> tuple[torch.Tensor, Any]:
-    send = torch.cat(pieces) if pieces else torch.empty(0, dtype=_COMM_DTYPE)
-    received = torch.empty(sum(recv_splits), dtype=_COMM_DTYPE, device=send.device)
-    work = dist.all_to_all_single(
-        received,
-        send,
-        output_split_sizes=recv_splits,
-        input_split_sizes=send_splits,
-        group=group,
-        async_op=True,
-    )
-    return received, work

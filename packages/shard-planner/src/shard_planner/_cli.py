@@ -17,9 +17,10 @@ from shard_planner._activations import ActivationModel
 from shard_planner._advise import Candidate, advise
 from shard_planner._cli_args import (
     add_advise_options,
-    add_cost_options,
-    positive,
-    positive_list,
+    add_compare_options,
+    add_estimate_options,
+    add_plan_options,
+    add_show_options,
 )
 from shard_planner._compute import ComputeModel
 from shard_planner._cost_report import (
@@ -35,13 +36,12 @@ from shard_planner._estimate_checks import check_blocks_fit
 from shard_planner._granularity import has_experts
 from shard_planner._layout import Layout, dump_plan, load_plan
 from shard_planner._links import load_links
-from shard_planner._plan import ORDERS, plan_layout
+from shard_planner._plan import plan_layout
 from shard_planner._presets import (
     GroupSpec,
     ModelPreset,
     load_group_file,
     load_preset,
-    preset_names,
 )
 from shard_planner._report import (
     compare_case,
@@ -357,9 +357,6 @@ class _FORMAT(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action) or ""
 
 
-_GROUP_FILE = "a JSON group file (the README's 'Group files' section), or use --preset"
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="shard-planner",
@@ -367,81 +364,23 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=_FORMAT,
     )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    presets = ", ".join(preset_names())
-
-    def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument(
-            "--block-rows",
-            type=positive,
-            default=1,
-            help="rows per block: no shard boundary cuts one (32 for 32 x 32 quantization)",
-        )
-        p.add_argument(
-            "--align", type=positive, default=1, help="the shard size is a multiple of this"
-        )
 
     plan = sub.add_parser(
         "plan", help="plan the groups of a JSON group file or preset", formatter_class=_FORMAT
     )
-    plan.add_argument("file", nargs="?", help=_GROUP_FILE)
-    plan.add_argument("--preset", help=f"a shipped model: {presets}")
-    plan.add_argument(
-        "--world-size", type=positive, required=True, help="ranks each group is sharded over"
-    )
-    plan.add_argument("--group", help="plan only this group (default: every group)")
-    plan.add_argument(
-        "--allow-idle-ranks",
-        action="store_true",
-        help="plan a group with fewer blocks than ranks (some then hold only padding)",
-    )
-    plan.add_argument(
-        "--order",
-        choices=ORDERS,
-        default="auto",
-        help="the order tensors are laid out in: auto tries the others and keeps the best",
-    )
-    plan.add_argument(
-        "--out", help="write the plan (each group's layout, JSON) here instead of a summary"
-    )
-    common(plan)
+    add_plan_options(plan)
     plan.set_defaults(run=_cmd_plan)
 
     compare = sub.add_parser(
         "compare", help="padding of ours vs FSDP2 vs flat, whole model", formatter_class=_FORMAT
     )
-    compare.add_argument("file", nargs="?", help=_GROUP_FILE)
-    compare.add_argument("--preset", help=f"a shipped model: {presets}")
-    compare.add_argument(
-        "--world-sizes",
-        type=positive_list,
-        default=[8, 64, 256, 1024],
-        help="FSDP world sizes to compare, comma-separated",
-    )
-    compare.add_argument(
-        "--block-rows",
-        type=positive_list,
-        default=[1],
-        help="rows per block to compare, comma-separated (e.g. 1,32)",
-    )
-    compare.add_argument(
-        "--align", type=positive, default=1, help="the shard size is a multiple of this"
-    )
-    compare.add_argument("--plot", help="also draw the table into this PNG (needs matplotlib)")
+    add_compare_options(compare)
     compare.set_defaults(run=_cmd_compare)
 
     show = sub.add_parser(
         "show", help="render one group's layout per rank", formatter_class=_FORMAT
     )
-    show.add_argument("file", nargs="?", help=_GROUP_FILE + " (or --layout)")
-    show.add_argument("--preset", help=f"a shipped model: {presets}")
-    show.add_argument("--layout", help="a plan written by `plan --out`")
-    show.add_argument("--group", help="group name (default: the first group)")
-    show.add_argument(
-        "--world-size", type=positive, default=8, help="ranks the group is sharded over"
-    )
-    show.add_argument("--max-ranks", type=positive, default=16, help="ranks to print or draw")
-    show.add_argument("--out", help="draw the layout into this PNG (needs matplotlib)")
-    common(show)
+    add_show_options(show)
     show.set_defaults(run=_cmd_show)
 
     est = sub.add_parser(
@@ -451,26 +390,7 @@ def _parser() -> argparse.ArgumentParser:
         "(replicate, shard) configuration.",
         formatter_class=_FORMAT,
     )
-    add_cost_options(est)
-    est.add_argument(
-        "--shard-size", type=positive, required=True, help="ranks each group is sharded over"
-    )
-    est.add_argument(
-        "--replicate-size", type=positive, default=1, help="replicas (HSDP); 1 is plain FSDP"
-    )
-    est.add_argument(
-        "--checkpointing", action="store_true", help="activation checkpointing of every block"
-    )
-    est.add_argument(
-        "--dense-shard-size",
-        type=positive,
-        help="shard a MoE model's dense blocks over this many ranks (HSDP inside the shard)",
-    )
-    est.add_argument(
-        "--keep-gathered",
-        action="store_true",
-        help="reshard_after_forward=False: every group stays gathered until backward",
-    )
+    add_estimate_options(est)
     est.set_defaults(run=_cmd_estimate)
 
     adv = sub.add_parser(

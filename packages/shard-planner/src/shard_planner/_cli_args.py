@@ -11,6 +11,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from shard_planner._estimate_checks import OPTIMIZERS
+from shard_planner._plan import ORDERS
 from shard_planner._presets import preset_names
 
 
@@ -77,6 +78,12 @@ def positive_list(text: str) -> list[int]:
 
 def add_cost_options(p: argparse.ArgumentParser) -> None:
     """The options `estimate` and `advise` share: the model, bytes, links and compute."""
+    _add_model_options(p)
+    _add_link_options(p)
+    _add_compute_options(p)
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "file", nargs="?", help="a JSON group file (the README's 'Group files'), or --preset"
     )
@@ -99,6 +106,9 @@ def add_cost_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--optimizer", choices=OPTIMIZERS, default="adamw", help="whose state is counted"
     )
+
+
+def _add_link_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--intra-node-gbps",
         type=positive_float,
@@ -123,6 +133,14 @@ def add_cost_options(p: argparse.ArgumentParser) -> None:
         default=1,
         help="NICs per node a collective spreads over (8: one per GPU of an 8-GPU node)",
     )
+    p.add_argument(
+        "--links",
+        help="a calibration file (tools/calibrate_links.py): its fitted link figures "
+        "replace the four above",
+    )
+
+
+def _add_compute_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tokens-per-rank",
         type=positive,
@@ -157,11 +175,6 @@ def add_cost_options(p: argparse.ArgumentParser) -> None:
         type=positive_float,
         default=0.0,
         help="host work per step beyond compute and update, measured on one rank",
-    )
-    p.add_argument(
-        "--links",
-        help="a calibration file (tools/calibrate_links.py): its fitted link figures "
-        "replace the four above",
     )
     p.add_argument("--seq-len", type=positive, help="tokens per sequence: adds activations")
     p.add_argument("--micro-batch", type=positive, default=1, help="sequences per micro-batch")
@@ -230,3 +243,98 @@ def add_advise_options(adv: argparse.ArgumentParser) -> None:
         help="prefetch depths to try, e.g. 1,2 (default: 1, and 2 with --tokens-per-rank)",
     )
     adv.add_argument("--plot", help="padding and memory vs shard size, PNG (needs matplotlib)")
+
+
+GROUP_FILE = "a JSON group file (the README's 'Group files' section), or use --preset"
+
+
+def _add_layout_options(p: argparse.ArgumentParser) -> None:
+    """Rows per block and alignment: what `plan` and `show` lay out with."""
+    p.add_argument(
+        "--block-rows",
+        type=positive,
+        default=1,
+        help="rows per block: no shard boundary cuts one (32 for 32 x 32 quantization)",
+    )
+    p.add_argument("--align", type=positive, default=1, help="the shard size is a multiple of this")
+
+
+def add_plan_options(p: argparse.ArgumentParser) -> None:
+    """The options of `plan`."""
+    p.add_argument("file", nargs="?", help=GROUP_FILE)
+    p.add_argument("--preset", help=f"a shipped model: {', '.join(preset_names())}")
+    p.add_argument(
+        "--world-size", type=positive, required=True, help="ranks each group is sharded over"
+    )
+    p.add_argument("--group", help="plan only this group (default: every group)")
+    p.add_argument(
+        "--allow-idle-ranks",
+        action="store_true",
+        help="plan a group with fewer blocks than ranks (some then hold only padding)",
+    )
+    p.add_argument(
+        "--order",
+        choices=ORDERS,
+        default="auto",
+        help="the order tensors are laid out in: auto tries the others and keeps the best",
+    )
+    p.add_argument(
+        "--out", help="write the plan (each group's layout, JSON) here instead of a summary"
+    )
+    _add_layout_options(p)
+
+
+def add_compare_options(p: argparse.ArgumentParser) -> None:
+    """The options of `compare`."""
+    p.add_argument("file", nargs="?", help=GROUP_FILE)
+    p.add_argument("--preset", help=f"a shipped model: {', '.join(preset_names())}")
+    p.add_argument(
+        "--world-sizes",
+        type=positive_list,
+        default=[8, 64, 256, 1024],
+        help="FSDP world sizes to compare, comma-separated",
+    )
+    p.add_argument(
+        "--block-rows",
+        type=positive_list,
+        default=[1],
+        help="rows per block to compare, comma-separated (e.g. 1,32)",
+    )
+    p.add_argument("--align", type=positive, default=1, help="the shard size is a multiple of this")
+    p.add_argument("--plot", help="also draw the table into this PNG (needs matplotlib)")
+
+
+def add_show_options(p: argparse.ArgumentParser) -> None:
+    """The options of `show`."""
+    p.add_argument("file", nargs="?", help=GROUP_FILE + " (or --layout)")
+    p.add_argument("--preset", help=f"a shipped model: {', '.join(preset_names())}")
+    p.add_argument("--layout", help="a plan written by `plan --out`")
+    p.add_argument("--group", help="group name (default: the first group)")
+    p.add_argument("--world-size", type=positive, default=8, help="ranks the group is sharded over")
+    p.add_argument("--max-ranks", type=positive, default=16, help="ranks to print or draw")
+    p.add_argument("--out", help="draw the layout into this PNG (needs matplotlib)")
+    _add_layout_options(p)
+
+
+def add_estimate_options(p: argparse.ArgumentParser) -> None:
+    """The options of `estimate`."""
+    add_cost_options(p)
+    p.add_argument(
+        "--shard-size", type=positive, required=True, help="ranks each group is sharded over"
+    )
+    p.add_argument(
+        "--replicate-size", type=positive, default=1, help="replicas (HSDP); 1 is plain FSDP"
+    )
+    p.add_argument(
+        "--checkpointing", action="store_true", help="activation checkpointing of every block"
+    )
+    p.add_argument(
+        "--dense-shard-size",
+        type=positive,
+        help="shard a MoE model's dense blocks over this many ranks (HSDP inside the shard)",
+    )
+    p.add_argument(
+        "--keep-gathered",
+        action="store_true",
+        help="reshard_after_forward=False: every group stays gathered until backward",
+    )
