@@ -1,10 +1,11 @@
 """The command line as a newcomer meets it: help for every option, one note per shape, units."""
 
 import argparse
+import json
 
 import pytest
 
-from shard_planner import _cli
+from shard_planner import Layout, TensorSpec, _cli, plan_layout
 from shard_planner._cli import main
 
 SUBCOMMANDS = ("plan", "compare", "show", "estimate", "advise")
@@ -108,3 +109,70 @@ def test_a_picture_without_matplotlib_is_refused_before_any_work(
     argv = [part.replace(str(tmp_path), str(tmp_path / "missing")) for part in argv]
     assert main(argv) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def _links_file(tmp_path, size: float) -> str:
+    path = tmp_path / "links.json"
+    record = {"collective": "all_gather", "world": 2, "bytes": size, "seconds": 0.1}
+    measurements = [{**record, "inter_node": False}]
+    path.write_text(
+        json.dumps({"backend": "gloo", "ranks_per_node": 8, "measurements": measurements})
+    )
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["advise", "--preset", "llama3-8b", "--ranks", "64", "--memory-gb", "1e300"],
+         "--memory-gb: must be at most 1,048,576 GiB per rank, got '1e300'"),
+        (["advise", "--preset", "llama3-8b", "--ranks", "64", "--memory-gb", "80",
+          "--activation-gb", "1e300"], "--activation-gb: must be at most 1,048,576 GiB"),
+        (["estimate", "--preset", "llama3-8b", "--shard-size", "8", "--links", "{links}"],
+         "measurement 0: bytes must be a number in (0, 2**62), got inf"),
+        (["show", "--layout", "{empty}"], "holds no groups: write one with `plan --out`"),
+        (["advise", "--preset", "deepseek-v3-671b", "--ranks", "1024", "--memory-gb", "80",
+          "--expert-parallel", "3", "--tokens-per-rank", "4096", "--top-k", "8"],
+         "expert_parallel 3 must divide the 256 experts of each MoE block and the 1024 "
+         "ranks; valid: 1, 2, 4, 8, 16, 32, 64, 128, 256"),
+        (["advise", "--preset", "llama3-8b", "--ranks", "1000000000", "--memory-gb", "80"],
+         "--ranks: must be at most 1,048,576 ranks, got '1000000000'"),
+        (["plan", "--preset", "llama3-8b", "--world-size", "1000000000000"],
+         "--world-size: must be at most 1,048,576 ranks"),
+        (["show", "--layout", "{huge}"], "world_size must be at most 1,048,576 ranks"),
+    ],
+    ids=["memory", "activations", "links-inf", "empty-plan", "ep-3", "ranks-1e9", "world-1e12",
+         "plan-file-1e12"],
+)  # fmt: skip
+def test_bad_numbers_are_one_line_errors_before_any_work(argv, message, tmp_path, capsys) -> None:
+    empty = tmp_path / "empty.json"
+    empty.write_text('{"groups": {}}')
+    huge = tmp_path / "huge.json"
+    layout = Layout.from_json(plan_layout([TensorSpec("w", 8)], 2).to_json())
+    record = json.loads(layout.to_json())
+    record["world_size"] = 10**12
+    huge.write_text(json.dumps({"groups": {"g": record}}))
+    subs = {"{links}": _links_file(tmp_path, float("inf")), "{empty}": str(empty),
+            "{huge}": str(huge)}  # fmt: skip
+    argv = [subs.get(part, part) for part in argv]
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own one-line errors
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert message in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_printed_calls_reach_modules_whose_names_are_not_attributes() -> None:
+    from shard_planner import GroupSpec, fully_shard_calls
+
+    groups = [
+        GroupSpec.from_shapes("layers.0", {"layers.0.w": (8, 8)}),
+        GroupSpec.from_shapes("norm-1", {"norm-1.weight": (8,)}),
+    ]
+    lines = fully_shard_calls(groups)
+    # `model.norm-1` would be a subtraction; get_submodule takes any registered name.
+    assert "fully_shard(model.get_submodule('norm-1'))" in lines, lines
+    assert not any("model.norm-1" in line for line in lines), lines

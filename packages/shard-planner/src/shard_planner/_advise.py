@@ -14,7 +14,7 @@ from shard_planner._estimate import Estimate, estimate
 from shard_planner._estimate_checks import BlockTooLargeError
 from shard_planner._granularity import dense_blocks, has_experts, split_experts
 from shard_planner._presets import GroupSpec
-from shard_planner._spec import check_count
+from shard_planner._spec import check_count, check_world_size
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ def factorisations(num_ranks: int) -> list[tuple[int, int]]:
         >>> factorisations(12)
         [(1, 12), (2, 6), (3, 4), (4, 3), (6, 2), (12, 1)]
     """
-    num_ranks = check_count("num_ranks", num_ranks, 1)
+    num_ranks = check_world_size("num_ranks", num_ranks)
     pairs = [(r, num_ranks // r) for r in range(1, num_ranks + 1) if num_ranks % r == 0]
     return pairs
 
@@ -159,7 +159,7 @@ def advise(
         raise ValueError(f"min_headroom must be a fraction in [0, 1), got {min_headroom!r}")
     out, refused = [], []
     granularities = _granularities(groups, expert_groups)
-    degrees = _ep_degrees(groups, expert_parallel, options.get("compute"))
+    degrees = _ep_degrees(groups, expert_parallel, options.get("compute"), num_ranks)
     checkpointing = _checkpointing(activations)
     dense = _dense_sizes(groups, dense_shard_sizes, ranks_per_node)
     choices = _choices(options, optimizers, reduce_bytes)
@@ -289,9 +289,10 @@ def _bytes_per_element(options: dict[str, Any]) -> int:
 
 
 def _ep_degrees(
-    groups: Sequence[GroupSpec], given: Sequence[int] | None, compute: object
+    groups: Sequence[GroupSpec], given: Sequence[int] | None, compute: object, num_ranks: int
 ) -> list[int]:
     """The EP degrees to try (see `advise`)."""
+    experts = has_experts(groups)
     if given is not None:
         degrees = [check_count("expert_parallel entry", e, 1) for e in given]
         if any(e > 1 for e in degrees) and not _prices_all_to_all(compute):
@@ -299,8 +300,18 @@ def _ep_degrees(
                 "expert parallelism sends tokens to their experts: pass compute="
                 "ComputeModel(tokens_per_rank=..., top_k=..., hidden_size=...) to price it"
             )
+        # Per-expert modules: a degree divides their count; fused experts (one tensor per
+        # projection) are split by `estimate`, which checks them itself.
+        count = experts if experts > 1 else num_ranks
+        valid = [e for e in range(1, num_ranks + 1) if num_ranks % e == 0 and count % e == 0]
+        bad = [e for e in degrees if e not in valid]
+        if bad:
+            what = f"the {experts} experts of each MoE block and " if experts > 1 else ""
+            shown = ", ".join(map(str, valid[:12])) + (", ..." if len(valid) > 12 else "")
+            raise ValueError(
+                f"expert_parallel {bad[0]} must divide {what}the {num_ranks} ranks; valid: {shown}"
+            )
         return degrees
-    experts = has_experts(groups)
     if experts < 2 or not _prices_all_to_all(compute):
         return [1]
     return [e for e in (1, 2, 4, 8, 16, 32, 64) if e == 1 or experts % e == 0]

@@ -16,7 +16,7 @@ import math
 from collections.abc import Sequence
 
 from shard_planner._bounds import ceil_to
-from shard_planner._spec import TensorSpec, check_count
+from shard_planner._spec import TensorSpec, check_count, check_world_size
 
 
 def fsdp2_padding(specs: Sequence[TensorSpec], world_size: int) -> int:
@@ -33,7 +33,7 @@ def fsdp2_padding(specs: Sequence[TensorSpec], world_size: int) -> int:
         >>> fsdp2_padding([TensorSpec.from_shape("w", (10, 4))], world_size=4)
         8
     """
-    check_count("world_size", world_size, 1)
+    check_world_size("world_size", world_size)
     padding = 0
     for spec in specs:
         if spec.shape is None:
@@ -62,7 +62,7 @@ def fsdp2_whole_block_padding(specs: Sequence[TensorSpec], world_size: int) -> i
         >>> fsdp2_whole_block_padding([TensorSpec("w", 40, block=8)], world_size=4)
         24
     """
-    check_count("world_size", world_size, 1)
+    check_world_size("world_size", world_size)
     padding = 0
     for spec in specs:
         blocks = -(-spec.numel // spec.atom)
@@ -77,7 +77,7 @@ def flat_padding(specs: Sequence[TensorSpec], world_size: int, *, align: int = 1
         >>> flat_padding([TensorSpec("a", 10), TensorSpec("b", 3)], world_size=4)
         3
     """
-    check_count("world_size", world_size, 1)
+    check_world_size("world_size", world_size)
     check_count("align", align, 1)
     total = sum(s.numel for s in specs)
     return world_size * ceil_to(-(-total // world_size), align) - total

@@ -176,6 +176,8 @@ def _cmd_show(args: argparse.Namespace) -> None:
             layouts = load_plan(pathlib.Path(args.layout).read_text())
         except OSError as exc:
             raise UsageError(f"cannot read {args.layout}: {exc.strerror}") from None
+        if not layouts:
+            raise UsageError(f"{args.layout} holds no groups: write one with `plan --out`")
         name = args.group or next(iter(layouts))
         if name not in layouts:
             raise UsageError(f"no group named {name!r} in {args.layout}; valid: {_some(layouts)}")
@@ -286,6 +288,8 @@ def _cmd_advise(args: argparse.Namespace) -> None:
         f"optimizer {args.optimizer}"
     )
     print(format_candidates(candidates, memory))
+    if not candidates:
+        return
     print(padding_note(candidates))
     best = next((c for c in candidates if c.fits), None)
     if best is None:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from shard_planner._estimate_checks import OPTIMIZERS
 from shard_planner._plan import ORDERS
 from shard_planner._presets import preset_names
+from shard_planner._spec import MAX_WORLD_SIZE
 
 
 def positive(text: str) -> int:
@@ -25,6 +26,14 @@ def positive(text: str) -> int:
     return value
 
 
+def ranks(text: str) -> int:
+    """A rank count: an integer in [1, MAX_WORLD_SIZE]."""
+    value = positive(text)
+    if value > MAX_WORLD_SIZE:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_WORLD_SIZE:,} ranks, got {text!r}")
+    return value
+
+
 def positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -32,6 +41,19 @@ def positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not (math.isfinite(value) and value >= 0):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+MAX_GIB = 2.0**20  # per rank: a pebibyte; more is a typo, and int(GiB * 2**30) overflows
+
+
+def gib(text: str) -> float:
+    """A size in GiB per rank: a finite number >= 0, at most MAX_GIB."""
+    value = positive_float(text)
+    if value > MAX_GIB:
+        raise argparse.ArgumentTypeError(
+            f"must be at most {MAX_GIB:,.0f} GiB per rank, got {text!r}"
+        )
     return value
 
 
@@ -67,13 +89,19 @@ def count_list(text: str) -> list[int]:
     return [int(item) for item in items]
 
 
-def positive_list(text: str) -> list[int]:
+def positive_list(text: str, item_type: Callable[[str], int] = positive) -> list[int]:
+    """A comma-separated list of integers >= 1 (each through `item_type`)."""
     items = [item for item in text.split(",") if item.strip()]
     if not items:
         raise argparse.ArgumentTypeError(
             f"expected a comma-separated list of integers, got {text!r}"
         )
-    return [positive(item) for item in items]
+    return [item_type(item) for item in items]
+
+
+def ranks_list(text: str) -> list[int]:
+    """A comma-separated list of rank counts."""
+    return positive_list(text, ranks)
 
 
 def add_cost_options(p: argparse.ArgumentParser) -> None:
@@ -190,11 +218,11 @@ def _add_compute_options(p: argparse.ArgumentParser) -> None:
 def add_advise_options(adv: argparse.ArgumentParser) -> None:
     """The options only `advise` has: the budget and the settings to search."""
     add_cost_options(adv)
-    adv.add_argument("--ranks", type=positive, required=True, help="ranks to split")
-    adv.add_argument("--memory-gb", type=positive_float, required=True, help="memory per rank, GiB")
+    adv.add_argument("--ranks", type=ranks, required=True, help="ranks to split")
+    adv.add_argument("--memory-gb", type=gib, required=True, help="memory per rank, GiB")
     adv.add_argument(
         "--activation-gb",
-        type=positive_float,
+        type=gib,
         default=0.0,
         help="GiB per rank to keep for activations when --seq-len does not count them",
     )
@@ -264,7 +292,7 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", nargs="?", help=GROUP_FILE)
     p.add_argument("--preset", help=f"a shipped model: {', '.join(preset_names())}")
     p.add_argument(
-        "--world-size", type=positive, required=True, help="ranks each group is sharded over"
+        "--world-size", type=ranks, required=True, help="ranks each group is sharded over"
     )
     p.add_argument("--group", help="plan only this group (default: every group)")
     p.add_argument(
@@ -290,7 +318,7 @@ def add_compare_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", help=f"a shipped model: {', '.join(preset_names())}")
     p.add_argument(
         "--world-sizes",
-        type=positive_list,
+        type=ranks_list,
         default=[8, 64, 256, 1024],
         help="FSDP world sizes to compare, comma-separated",
     )
@@ -310,7 +338,7 @@ def add_show_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", help=f"a shipped model: {', '.join(preset_names())}")
     p.add_argument("--layout", help="a plan written by `plan --out`")
     p.add_argument("--group", help="group name (default: the first group)")
-    p.add_argument("--world-size", type=positive, default=8, help="ranks the group is sharded over")
+    p.add_argument("--world-size", type=ranks, default=8, help="ranks the group is sharded over")
     p.add_argument("--max-ranks", type=positive, default=16, help="ranks to print or draw")
     p.add_argument("--out", help="draw the layout into this PNG (needs matplotlib)")
     _add_layout_options(p)
@@ -320,10 +348,10 @@ def add_estimate_options(p: argparse.ArgumentParser) -> None:
     """The options of `estimate`."""
     add_cost_options(p)
     p.add_argument(
-        "--shard-size", type=positive, required=True, help="ranks each group is sharded over"
+        "--shard-size", type=ranks, required=True, help="ranks each group is sharded over"
     )
     p.add_argument(
-        "--replicate-size", type=positive, default=1, help="replicas (HSDP); 1 is plain FSDP"
+        "--replicate-size", type=ranks, default=1, help="replicas (HSDP); 1 is plain FSDP"
     )
     p.add_argument(
         "--checkpointing", action="store_true", help="activation checkpointing of every block"

@@ -78,7 +78,12 @@ def format_candidates(candidates: Sequence[Candidate], memory_bytes: int) -> str
             f"{'yes' if c.fits else 'no'} |"
         )
     fitting = [c for c in candidates if c.fits]
-    if not fitting:
+    if not candidates:
+        lines.append(
+            "no (replicate, shard) split could be estimated with these settings (every shard "
+            "size was refused: too few blocks for its ranks, or a degree that divides none)"
+        )
+    elif not fitting:
         least = min(candidates, key=lambda c: c.memory_bytes)
         lines.append(
             f"no split fits in {memory_bytes / _GIB:.1f} GiB per rank; the smallest peak is "

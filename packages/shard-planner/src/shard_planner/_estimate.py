@@ -29,7 +29,7 @@ from shard_planner._layout import Layout
 from shard_planner._network import Net, Span, collective_times
 from shard_planner._plan import plan_layout
 from shard_planner._presets import GroupSpec
-from shard_planner._spec import TensorSpec, check_count
+from shard_planner._spec import TensorSpec, check_count, check_world_size
 
 _NOT_MUON = ("embed", "lm_head", "output", "head")  # names Muon leaves to its AdamW groups
 
@@ -417,8 +417,8 @@ def estimate(
         (3.74, '0.0102%')
     """
     compute_model = compute
-    shard_size = check_count("shard_size", shard_size, 1)
-    replicate_size = check_count("replicate_size", replicate_size, 1)
+    shard_size = check_world_size("shard_size", shard_size)
+    replicate_size = check_world_size("replicate_size", replicate_size)
     param_bytes, grad_bytes, gathered = check_element_bytes(
         param_bytes, grad_bytes, compute_bytes, align_bytes
     )

@@ -13,6 +13,7 @@ only `k = 1`, the experts module alone).
 from __future__ import annotations
 
 import itertools
+import keyword
 import re
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -187,7 +188,7 @@ def fully_shard_calls(
         if chunk and blocks:
             blocks[-1][2].append((chunk["owner"], int(chunk["lo"]), int(chunk["hi"])))
             continue
-        modules = [f"{root}.{_path(m)}" for m in _modules(group)]
+        modules = [f"{root}.{m}" for m in _modules(group)]  # _modules gives Python paths
         target = modules[0] if len(modules) == 1 else "[" + ", ".join(modules) + "]"
         if group.name.endswith(".experts") and blocks:  # fused experts: sharded before it
             blocks[-1][2].append((f"fully_shard({target}{mesh})", -1, -1))
@@ -203,7 +204,10 @@ def fully_shard_calls(
         indices = [block_index(name) for name in names]
         if len(names) == 1:
             index = indices[0]
-            lines += [c if index is None else c.replace("[i]", f"[{index}]") for c in calls]
+            lines += [
+                c if index is None else c.replace("[i]", f"[{index}]").replace("{i}", str(index))
+                for c in calls
+            ]
             continue
         numbers = [i for i in indices if i is not None]
         if len(numbers) != len(names):  # groups repeated without an index: as they come
@@ -256,5 +260,14 @@ def _modules(group: GroupSpec) -> list[str]:
 
 
 def _path(dotted: str) -> str:
-    """A module's dotted name as Python, block indices generic: `model.layers[i].mlp`."""
-    return re.sub(r"\.(\d+)(?=\.|$)", "[i]", dotted)
+    """A module's dotted name as Python, block indices generic: `model.layers[i].mlp`.
+
+    A name that is not attribute access (`norm-1`, a keyword) goes through `get_submodule`,
+    so that the printed code runs as is.
+    """
+    parts = dotted.split(".")
+    if all(p.isdigit() or (p.isidentifier() and not keyword.iskeyword(p)) for p in parts):
+        return re.sub(r"\.(\d+)(?=\.|$)", "[i]", dotted)
+    escaped = dotted.replace("{", "{{").replace("}", "}}")
+    generic = re.sub(r"(?<=\.)\d+(?=\.|$)", "{i}", escaped)
+    return f"get_submodule(f{generic!r})" if "{i}" in generic else f"get_submodule({dotted!r})"

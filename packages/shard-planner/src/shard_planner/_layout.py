@@ -15,7 +15,7 @@ from types import MappingProxyType
 from typing import Any
 
 from shard_planner._bounds import lower_bound
-from shard_planner._spec import TensorSpec, check_count
+from shard_planner._spec import TensorSpec, check_count, check_world_size
 
 _JSON_VERSION = 1
 
@@ -50,7 +50,7 @@ class Layout:
     _index: Mapping[str, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "world_size", check_count("world_size", self.world_size, 1))
+        object.__setattr__(self, "world_size", check_world_size("world_size", self.world_size))
         object.__setattr__(self, "shard_size", check_count("shard_size", self.shard_size, 0))
         object.__setattr__(self, "align", check_count("align", self.align, 1))
         object.__setattr__(self, "tensors", tuple(self.tensors))

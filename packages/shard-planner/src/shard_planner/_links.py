@@ -168,8 +168,8 @@ def _check_record(index: int, record: object) -> tuple[int, int, float, bool]:
     world, size, seconds = record["world"], record["bytes"], record["seconds"]
     if isinstance(world, bool) or not isinstance(world, int) or world < 2:
         raise ValueError(f"measurement {index}: world must be an int >= 2, got {world!r}")
-    if not isinstance(size, int | float) or isinstance(size, bool) or size <= 0:
-        raise ValueError(f"measurement {index}: bytes must be > 0, got {size!r}")
+    if not isinstance(size, int | float) or isinstance(size, bool) or not 0 < size < 2**62:
+        raise ValueError(f"measurement {index}: bytes must be a number in (0, 2**62), got {size!r}")
     if not isinstance(seconds, int | float) or not math.isfinite(seconds) or seconds <= 0:
         raise ValueError(f"measurement {index}: seconds must be a finite number > 0")
     if not isinstance(record["inter_node"], bool):

@@ -56,7 +56,7 @@ from typing import Literal
 
 from shard_planner._bounds import ceil_to, lower_bound, search_grids
 from shard_planner._layout import Layout
-from shard_planner._spec import TensorSpec, check_count
+from shard_planner._spec import TensorSpec, check_count, check_world_size
 
 Order = Literal["given", "block", "size", "fit", "auto"]
 ORDERS: tuple[Order, ...] = ("given", "block", "size", "fit", "auto")
@@ -259,7 +259,7 @@ def plan_layout(
         >>> layout.shard_size, layout.local_units("wq")
         (768, (6, 6, 4))
     """
-    world_size = check_count("world_size", world_size, 1)
+    world_size = check_world_size("world_size", world_size)
     align = check_count("align", align, 1)
     specs = tuple(specs)
     for spec in specs:

@@ -19,6 +19,19 @@ def check_count(what: str, value: object, minimum: int) -> int:
     return count
 
 
+# Ranks in one mesh axis (or one job): 2**20, far above any machine built. A world size
+# beyond it is a typo, and per-rank tables of its size would not fit in memory.
+MAX_WORLD_SIZE = 2**20
+
+
+def check_world_size(what: str, value: object) -> int:
+    """`value` as a rank count in [1, MAX_WORLD_SIZE]."""
+    count = check_count(what, value, 1)
+    if count > MAX_WORLD_SIZE:
+        raise ValueError(f"{what} must be at most {MAX_WORLD_SIZE:,} ranks, got {count:,}")
+    return count
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """One tensor of a group: its name, element count and unshardable block size.
