@@ -52,8 +52,9 @@ def test_activation_count_against_autograd(experts: int) -> None:
     counted = ActivationModel(SEQ, BATCH, top_k).bytes_for(groups, compute_bytes=4)
     saved = _saved_bytes(model, tokens, blocks_checkpointed=False)
     # Unfused code keeps more than the count (measured 1.25x dense, 1.28x MoE: the
-    # activation scale in docs/shard-planner.md), never less: every matmul's input and output and every norm's input
-    # are among what it keeps. Half as much again would mean the count misses a part.
+    # activation scale in docs/shard-planner.md), never less: every matmul's input and
+    # output and every norm's input are among what it keeps. Half as much again would mean
+    # the count misses a part.
     assert 1.0 < saved / counted < 1.5, saved / counted
     # Checkpointed: forward keeps each block's input and what is outside the blocks; the
     # count adds the largest block, alive again while its backward recomputes it.

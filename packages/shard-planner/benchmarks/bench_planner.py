@@ -61,7 +61,7 @@ def _synthetic_group(seed: int, num_tensors: int = 1000) -> list[TensorSpec]:
 
 def speed(repeats: int) -> None:
     print("== speed (seconds; median and max of repeats) ==")
-    moe = load_preset("deepseek-v3-671b").groups[10]
+    moe = load_preset("deepseek-v3-671b-per-expert").groups[10]
     for rows in BLOCK_ROWS:
         specs = moe.specs(rows)
         med, worst = _timed(lambda specs=specs: plan_layout(specs, 10240), repeats)
@@ -85,13 +85,13 @@ def speed(repeats: int) -> None:
             f"synthetic 1000 tensors x 5 seeds, W={world:>5}, align={align:>2}: "
             f"median {statistics.median(meds):.4f}  max {max(worsts):.4f}  (target < 0.3)"
         )
-    preset = load_preset("deepseek-v3-671b")
+    preset = load_preset("deepseek-v3-671b-per-expert")
     for rows in BLOCK_ROWS:
         med, worst = _timed(
             lambda rows=rows: [plan_layout(g.specs(rows), 1024) for g in preset.groups], repeats
         )
         print(
-            f"deepseek-v3-671b whole preset ({len(preset.groups)} groups), W=1024, rows={rows:>3}: "
+            f"deepseek-v3-671b-per-expert whole preset ({len(preset.groups)} groups), W=1024, rows={rows:>3}: "
             f"median {med:.3f}  max {worst:.3f}  (target < 2)"
         )
 
@@ -106,7 +106,7 @@ def advise_speed(repeats: int) -> None:
     compute = ComputeModel(tokens_per_rank=16384, top_k=8, hidden_size=7168)
     activations = ActivationModel(seq_len=4096, micro_batch=4, top_k=8)
     for name, ranks, target in (
-        ("deepseek-v3-671b", 1024, 3),
+        ("deepseek-v3-671b-per-expert", 1024, 3),
         ("synthetic-moe-2.4t", 10240, 10),
     ):
         med, worst = _timed(

@@ -258,7 +258,7 @@ def test_advise_ranks_the_splits_and_names_the_padding(tmp_path, capsys) -> None
 
 
 def test_advise_says_when_nothing_fits(capsys) -> None:
-    argv = ["advise", "--preset", "deepseek-v3-671b", "--ranks", "1024", "--memory-gb", "80"]
+    argv = ["advise", "--preset", "deepseek-v3-671b-per-expert", "--ranks", "1024", "--memory-gb", "80"]
     assert main([*argv, "--expert-groups", "0"]) == 0  # blocks whole: nothing fits
     out = capsys.readouterr().out
     assert "no split fits in 80.0 GiB per rank" in out

@@ -19,7 +19,7 @@ def test_flops_count_every_matrix_but_embeddings_and_top_k_experts() -> None:
     )  # fmt: skip
     assert sum(per_group) == matrices
     assert per_group[0] == 0  # the embedding group: a lookup
-    deepseek = load_preset("deepseek-v3-671b").groups
+    deepseek = load_preset("deepseek-v3-671b-per-expert").groups
     layer = deepseek[5]  # an MoE block: attention, router, shared expert, 256 routed experts
     routed = sum(e.numel for e in layer.entries if ".experts." in e.name)
     dense = sum(

@@ -14,7 +14,7 @@ COMPUTE = ComputeModel(tokens_per_rank=16384, top_k=8, hidden_size=7168)
 
 
 def _deepseek(k: int = 1):
-    groups = split_experts(load_preset("deepseek-v3-671b").groups, k)
+    groups = split_experts(load_preset("deepseek-v3-671b-per-expert").groups, k)
     assert groups is not None
     return groups
 
@@ -26,7 +26,7 @@ def test_each_rank_holds_its_share_of_the_experts() -> None:
     for group, mine, expert in zip(groups, held, is_expert, strict=True):
         assert mine.numel * (8 if expert else 1) == group.numel
     with pytest.raises(ValueError, match="experts in groups of their own"):
-        expert_groups_under_ep(load_preset("deepseek-v3-671b").groups, 8)
+        expert_groups_under_ep(load_preset("deepseek-v3-671b-per-expert").groups, 8)
     with pytest.raises(ValueError, match="does not divide the 256 experts"):
         expert_groups_under_ep(groups, 3)
 
@@ -94,7 +94,7 @@ def test_the_2_4t_model_at_10240_ranks_gets_an_ep_plan_within_3x_of_compute(caps
 
 
 def test_ep_search_needs_the_all_to_alls_priced() -> None:
-    groups = load_preset("deepseek-v3-671b").groups
+    groups = load_preset("deepseek-v3-671b-per-expert").groups
     with pytest.raises(ValueError, match="pass compute=ComputeModel"):
         advise(groups, num_ranks=1024, ranks_per_node=8, memory_bytes=80 * 2**30,
                expert_parallel=(1, 8))  # fmt: skip

@@ -10,7 +10,7 @@ from shard_planner._granularity import dense_blocks, fully_shard_calls, has_expe
 
 
 def test_split_experts_keeps_every_tensor_once_in_forward_order() -> None:
-    groups = load_preset("deepseek-v3-671b").groups
+    groups = load_preset("deepseek-v3-671b-per-expert").groups
     assert has_experts(groups) == 256
     for k in (1, 2, 8, 256):
         split = split_experts(groups, k)
@@ -39,7 +39,7 @@ def test_split_experts_keeps_every_tensor_once_in_forward_order() -> None:
 
 
 def test_layout_is_runnable_python_with_loops() -> None:
-    groups = load_preset("deepseek-v3-671b").groups
+    groups = load_preset("deepseek-v3-671b-per-expert").groups
     split = split_experts(groups, 8)
     assert split is not None
     assert fully_shard_calls(split) == [
@@ -78,7 +78,7 @@ def test_layout_is_runnable_python_with_loops() -> None:
 
 
 def test_advise_fits_deepseek_at_1024_by_splitting_experts(capsys) -> None:
-    groups = load_preset("deepseek-v3-671b").groups
+    groups = load_preset("deepseek-v3-671b-per-expert").groups
     memory = 80 * 2**30
     whole = advise(groups, num_ranks=1024, ranks_per_node=8, memory_bytes=memory,
                    compute_bytes=2, expert_groups=(0,))  # fmt: skip
@@ -88,7 +88,7 @@ def test_advise_fits_deepseek_at_1024_by_splitting_experts(capsys) -> None:
     assert ranked and ranked[0].expert_groups > 0 and ranked[0].headroom >= 0.1
     two = [c for c in ranked if c.expert_groups == 2 and c.shard_size == 1024]
     assert round(two[0].memory_bytes / 2**30, 1) == 51.9  # what splitting in 2 was found to give
-    argv = ["advise", "--preset", "deepseek-v3-671b", "--ranks", "1024", "--memory-gb", "80"]
+    argv = ["advise", "--preset", "deepseek-v3-671b-per-expert", "--ranks", "1024", "--memory-gb", "80"]
     assert main([*argv, "--compute-bytes", "2"]) == 0
     out = capsys.readouterr().out
     assert "| 1 | 2 x 512 | experts in 4, dense blocks on 8 |" in out
@@ -117,7 +117,7 @@ def test_bad_granularity() -> None:
 def test_dense_blocks_on_a_sub_mesh_pad_less() -> None:
     # DeepSeek-V3's 3 dense layers with 16-row blocks over 1024 ranks: few, long rows that
     # pad most of the model's 12.25%; over a node's 8 ranks they pad almost nothing.
-    groups = load_preset("deepseek-v3-671b").groups
+    groups = load_preset("deepseek-v3-671b-per-expert").groups
     assert dense_blocks(groups).count(True) == 3
     whole = estimate(groups, shard_size=1024, compute_bytes=2, block_rows=16)
     apart = estimate(groups, shard_size=1024, compute_bytes=2, block_rows=16,

@@ -1,8 +1,12 @@
 """Writes the model presets shipped in src/shard_planner/presets/ from public config values.
 
 Run from the package folder: `python tools/make_presets.py`. Each preset records the config
-values it was built from. Tensor names follow the Hugging Face checkpoints; groups follow how
-FSDP wraps a decoder: the embedding, each transformer block, then the final norm with the head.
+values it was built from. Tensor names and shapes are those of the model as transformers 5
+builds it (`named_parameters()`: its MoE layers hold each projection's experts in one fused
+tensor); the `-per-expert` presets name one module per expert, as the checkpoints (and
+torchtitan's per-expert models) do. Groups follow how FSDP wraps a decoder: the embedding,
+each transformer block, then the final norm with the head. The repository's
+tests/test_presets_match_transformers.py checks names and shapes against transformers.
 """
 
 from __future__ import annotations
@@ -62,9 +66,20 @@ def llama3(name: str, source: str, cfg: dict[str, Any]) -> dict[str, Any]:
     return decoder(name, source, cfg, layer)
 
 
+def fused_experts(num_experts: int, h: int, inter: int) -> list[Tensor]:
+    """One layer's routed experts as transformers 5 holds them: one tensor per projection."""
+    return [
+        t("mlp.experts.gate_up_proj", num_experts, 2 * inter, h, num_shard_dims=2),
+        t("mlp.experts.down_proj", num_experts, h, inter, num_shard_dims=2),
+    ]
+
+
 def deepseek_v3(
     name: str = "deepseek-v3-671b",
-    source: str = "deepseek-ai/DeepSeek-V3 config.json (per-expert tensors)",
+    source: str = "deepseek-ai/DeepSeek-V3 config.json, as transformers 5 builds it (experts "
+    "fused per projection)",
+    *,
+    fused: bool = True,
     **changes: Any,
 ) -> dict[str, Any]:
     cfg: dict[str, Any] = {
@@ -109,14 +124,22 @@ def deepseek_v3(
         ]
 
     moe_inter, num_experts = cfg["moe_intermediate_size"], cfg["n_routed_experts"]
-    moe = [
-        *attn,
-        t("mlp.gate.weight", num_experts, h),
-        t("mlp.gate.e_score_correction_bias", num_experts),
-    ]
-    for e in range(num_experts):
-        moe += mlp(f"mlp.experts.{e}", moe_inter)
-    moe += mlp("mlp.shared_experts", moe_inter * cfg["n_shared_experts"])
+    norms = attn[-2:]
+    if fused:  # transformers 5: the router's bias correction is a buffer, not a parameter
+        moe = [*attn[:-2], *fused_experts(num_experts, h, moe_inter)]
+        moe += [t("mlp.gate.weight", num_experts, h)]
+        moe += [*mlp("mlp.shared_experts", moe_inter * cfg["n_shared_experts"]), *norms]
+        dense = [*attn[:-2], *mlp("mlp", cfg["intermediate_size"]), *norms]
+    else:
+        moe = [
+            *attn,
+            t("mlp.gate.weight", num_experts, h),
+            t("mlp.gate.e_score_correction_bias", num_experts),
+        ]
+        for e in range(num_experts):
+            moe += mlp(f"mlp.experts.{e}", moe_inter)
+        moe += mlp("mlp.shared_experts", moe_inter * cfg["n_shared_experts"])
+        dense = attn + mlp("mlp", cfg["intermediate_size"])
     dense_layers = cfg["first_k_dense_replace"]
     embed, final = ends(cfg)
     groups = [
@@ -124,7 +147,7 @@ def deepseek_v3(
         {
             "name": "model.layers.{i}",
             "indices": [0, dense_layers],
-            "tensors": attn + mlp("mlp", cfg["intermediate_size"]),
+            "tensors": dense,
         },
         {
             "name": "model.layers.{i}",
@@ -175,7 +198,7 @@ def gpt_oss_120b() -> dict[str, Any]:
     return decoder("gpt-oss-120b", "openai/gpt-oss-120b config.json (fused experts)", cfg, layer)
 
 
-def qwen3_30b_a3b() -> dict[str, Any]:
+def qwen3_30b_a3b(fused: bool = True) -> dict[str, Any]:
     cfg = {
         "vocab_size": 151936,
         "hidden_size": 2048,
@@ -197,18 +220,23 @@ def qwen3_30b_a3b() -> dict[str, Any]:
         t("self_attn.o_proj.weight", h, q),
         t("self_attn.q_norm.weight", hd),
         t("self_attn.k_norm.weight", hd),
-        t("mlp.gate.weight", num_experts, h),
     ]
-    for e in range(num_experts):
-        layer += [
-            t(f"mlp.experts.{e}.gate_proj.weight", inter, h),
-            t(f"mlp.experts.{e}.up_proj.weight", inter, h),
-            t(f"mlp.experts.{e}.down_proj.weight", h, inter),
-        ]
+    if fused:
+        layer += [*fused_experts(num_experts, h, inter), t("mlp.gate.weight", num_experts, h)]
+    else:
+        layer.append(t("mlp.gate.weight", num_experts, h))
+        for e in range(num_experts):
+            layer += [
+                t(f"mlp.experts.{e}.gate_proj.weight", inter, h),
+                t(f"mlp.experts.{e}.up_proj.weight", inter, h),
+                t(f"mlp.experts.{e}.down_proj.weight", h, inter),
+            ]
     layer += [t("input_layernorm.weight", h), t("post_attention_layernorm.weight", h)]
-    return decoder(
-        "qwen3-30b-a3b", "Qwen/Qwen3-30B-A3B config.json (per-expert tensors)", cfg, layer
-    )
+    if fused:
+        source = "Qwen/Qwen3-30B-A3B config.json, as transformers 5 builds it (experts fused)"
+        return decoder("qwen3-30b-a3b", source, cfg, layer)
+    source = "Qwen/Qwen3-30B-A3B config.json, one module per expert (checkpoint names)"
+    return decoder("qwen3-30b-a3b-per-expert", source, cfg, layer)
 
 
 LLAMA_VOCAB = 128256
@@ -276,12 +304,19 @@ def main() -> None:
             },
         ),
         deepseek_v3(),
+        deepseek_v3(
+            "deepseek-v3-671b-per-expert",
+            "deepseek-ai/DeepSeek-V3 config.json, one module per expert (checkpoint names)",
+            fused=False,
+        ),
         gpt_oss_120b(),
         qwen3_30b_a3b(),
+        qwen3_30b_a3b(fused=False),
         # Not a released model: a scale test for the planner, about 2.4 trillion parameters.
         deepseek_v3(
             "synthetic-moe-2.4t",
             "synthetic: DeepSeek-V3's block with 1,024 routed experts per MoE layer, 56 layers",
+            fused=False,
             n_routed_experts=1024,
             num_hidden_layers=56,
             note="not a released model: DeepSeek-V3's layer shapes with 4x the experts and "

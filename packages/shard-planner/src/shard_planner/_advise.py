@@ -12,7 +12,7 @@ from shard_planner._activations import ActivationModel
 from shard_planner._compute import ComputeModel
 from shard_planner._estimate import Estimate, estimate
 from shard_planner._estimate_checks import BlockTooLargeError
-from shard_planner._granularity import dense_blocks, has_experts, split_experts
+from shard_planner._granularity import dense_blocks, has_experts, num_experts, split_experts
 from shard_planner._presets import GroupSpec
 from shard_planner._spec import check_count, check_world_size
 
@@ -292,7 +292,7 @@ def _ep_degrees(
     groups: Sequence[GroupSpec], given: Sequence[int] | None, compute: object, num_ranks: int
 ) -> list[int]:
     """The EP degrees to try (see `advise`)."""
-    experts = has_experts(groups)
+    experts = num_experts(groups)
     if given is not None:
         degrees = [check_count("expert_parallel entry", e, 1) for e in given]
         if any(e > 1 for e in degrees) and not _prices_all_to_all(compute):
@@ -300,13 +300,11 @@ def _ep_degrees(
                 "expert parallelism sends tokens to their experts: pass compute="
                 "ComputeModel(tokens_per_rank=..., top_k=..., hidden_size=...) to price it"
             )
-        # Per-expert modules: a degree divides their count; fused experts (one tensor per
-        # projection) are split by `estimate`, which checks them itself.
-        count = experts if experts > 1 else num_ranks
+        count = experts if experts else 1
         valid = [e for e in range(1, num_ranks + 1) if num_ranks % e == 0 and count % e == 0]
         bad = [e for e in degrees if e not in valid]
         if bad:
-            what = f"the {experts} experts of each MoE block and " if experts > 1 else ""
+            what = f"the {experts} experts of each MoE block and " if experts else ""
             shown = ", ".join(map(str, valid[:12])) + (", ..." if len(valid) > 12 else "")
             raise ValueError(
                 f"expert_parallel {bad[0]} must divide {what}the {num_ranks} ranks; valid: {shown}"

@@ -246,7 +246,7 @@ def layout_lines(candidate: Candidate, groups: Sequence[GroupSpec], block_rows: 
         )
     if candidate.expert_groups:
         lines.append(
-            "    (an expert group gathers when one of its experts runs: every rank must "
-            "run each group, e.g. call every expert, with no tokens if none are routed)"
+            "note: an expert group gathers when one of its experts runs: every rank must "
+            "run each group (call every expert, with no tokens if none are routed)"
         )
     return lines

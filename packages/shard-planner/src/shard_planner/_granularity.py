@@ -64,6 +64,24 @@ def has_experts(groups: Sequence[GroupSpec]) -> int:
     return most
 
 
+def num_experts(groups: Sequence[GroupSpec]) -> int:
+    """The most routed experts one group holds (0 for a dense model).
+
+    Per-expert modules are counted; a fused tensor holds its leading (expert) dim.
+
+    Example:
+        >>> group = GroupSpec.from_shapes("l.0", {"l.0.mlp.experts.down_proj": (8, 4, 2)})
+        >>> num_experts([group])
+        8
+    """
+    most = 0
+    for group in groups:
+        _, per_expert, fused, _ = classify(group)
+        shapes = [e.shape[0] for e in fused if e.shape]
+        most = max(most, len(per_expert), *shapes)
+    return most
+
+
 def dense_blocks(groups: Sequence[GroupSpec]) -> list[bool]:
     """Which groups are a MoE model's dense blocks: a block index no expert group shares.
 
