@@ -43,7 +43,14 @@ MUON_SHAPES = {
     "conv": (8, 3, 2, 2),
     "wide_c": (24, 40),
 }
-NUM_MUON_UNITS = len(MUON_SHAPES) - 2  # the three (24, 40) matrices are one batch
+BATCHED = 3  # the three (24, 40) matrices: one batch on one rank
+
+
+def num_muon_units(world: int) -> int:
+    """Units of MUON_SHAPES on `world` ranks: the (24, 40) matrices batch only as far as
+    every owner still gets a unit (one batch on 1 rank, 2 on 2, alone on 3 or more)."""
+    batches = {1: 1, 2: 2}.get(world, BATCHED)
+    return len(MUON_SHAPES) - BATCHED + batches
 
 
 def _placements(name: str, shape: tuple[int, ...], world: int, kind: str) -> list[Any]:
@@ -322,7 +329,7 @@ def check_muon_posts_every_bucket_before_orthogonalizing() -> int:
             opt.step()
         finally:
             muon.newton_schulz = original
-    num_buckets = NUM_MUON_UNITS
+    num_buckets = num_muon_units(world)
     assert comms.counts()["all_to_all"] == 2 * num_buckets  # in and back, per bucket
     if seen:  # this rank owns something: by its first NS every inbound exchange was posted
         assert seen[0] >= num_buckets, seen

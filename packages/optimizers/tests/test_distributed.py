@@ -15,7 +15,7 @@ def test_muon_matches_single_process_bitwise(pools, world) -> None:
 
 def test_muon_posts_every_bucket_before_orthogonalizing(pools) -> None:
     owned = pools[3].run(cases.check_muon_posts_every_bucket_before_orthogonalizing)
-    assert sum(owned) == cases.NUM_MUON_UNITS  # every matrix orthogonalized once, batches whole
+    assert sum(owned) == cases.num_muon_units(3)  # every unit orthogonalized once
 
 
 @pytest.mark.parametrize("world", [2, 3])

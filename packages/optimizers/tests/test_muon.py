@@ -194,3 +194,20 @@ def test_bad_input() -> None:
     for bad in (0, 2.0, True):
         with pytest.raises(ValueError, match="ns_batch_numel must be an int >= 1"):
             Muon([w], ns_batch_numel=bad)
+
+
+def test_same_shape_matrices_are_batched_only_while_every_owner_gets_one() -> None:
+    from ragged_optimizers._layout import layout_of
+    from ragged_optimizers._muon_exchange import Item, make_units
+
+    params = [torch.nn.Parameter(torch.zeros(4, 8)) for _ in range(8)]
+    group: dict = {}
+    items = [Item(p, str(i), layout_of(p), torch.empty(0), group) for i, p in enumerate(params)]
+    sizes = lambda owners: [len(u.items) for u in make_units(items, 2**22, owners)]  # noqa: E731
+    assert sizes(1) == [8]  # one process: one batch
+    assert sizes(4) == [2, 2, 2, 2]  # one unit per owner (the default batch put 8 on one)
+    assert sizes(3) == [3, 3, 2]
+    assert sizes(8) == [1] * 8 and sizes(16) == [1] * 8
+    assert sizes(5) == [1] * 8  # batches of 2 would leave an owner idle: 4 units for 5
+    # The element budget still caps a batch.
+    assert [len(u.items) for u in make_units(items, 2 * 32, 1)] == [2, 2, 2, 2]

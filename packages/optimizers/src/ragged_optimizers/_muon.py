@@ -5,8 +5,8 @@ A step, per process group of the shard axis:
 2. Same-shape matrices of a param group are taken together, in parameter order, up to
    `ns_batch_numel` elements at a time (a "unit": one batched Newton-Schulz, one launch per op
    for all of them); one owner per unit, from `plan_owners` (the same plan on every rank, no
-   communication). Units depend on shapes and order alone, not on the number of ranks, so the
-   result does not either.
+   communication). Units depend on shapes, order and the number of owners alone: a shape's
+   matrices are batched only as far as every owner still gets a unit.
 3. Per bucket of units, one all-to-all with uneven splits sends each piece of each matrix to
    its owner, in bfloat16 (Newton-Schulz runs in bfloat16, and the cast is elementwise, so the
    owner's matrix is bitwise the single-process one). All buckets are posted at once; the
@@ -101,8 +101,10 @@ class Muon(StepOptimizer):
             per op instead of one per matrix, while large ones, whose products are long
             enough to hide their launches, go alone and spread over the owners. Batched
             products round differently from single ones, so 1 (no batching) gives
-            torch.optim.Muon's results bit for bit; any value gives the same results on any
-            number of ranks.
+            torch.optim.Muon's results bit for bit. A shape's matrices are batched only as
+            far as every owner still gets a batch (8 equal matrices on 4 ranks: 4 batches
+            of 2), so with batching on, results may differ in the last bits between world
+            sizes.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
@@ -236,7 +238,8 @@ class Muon(StepOptimizer):
         ns_steps = max((g["ns_steps"] for g in self.param_groups), default=5)
         owners: dict[int, int] = {}
         for members in by_process_group(sharded):
-            for unit in plan_units(make_units(members, self._ns_batch_numel), ns_steps):
+            units = make_units(members, self._ns_batch_numel, members[0].layout.num_ranks)
+            for unit in plan_units(units, ns_steps):
                 owners.update((id(item), unit.owner) for item in unit.items)
         out = []
         for index, item in enumerate(sharded):
@@ -273,7 +276,8 @@ class Muon(StepOptimizer):
             for members in by_process_group(agree(sharded)):
                 for item, update in zip(members, self._momenta(members), strict=True):
                     item.update = update.to(COMM_DTYPE)
-                self._exchange(make_units(members, self._ns_batch_numel))
+                owners = members[0].layout.num_ranks
+                self._exchange(make_units(members, self._ns_batch_numel, owners))
 
     def _momenta(self, items: list[Item]) -> list[torch.Tensor]:
         """Updates the momentum of each item's local piece; returns what to orthogonalize.

@@ -81,31 +81,55 @@ class Unit:
         return sum(hi - lo for lo, hi in (item.layout.ranges[rank] for item in self.items))
 
 
-def make_units(items: list[Item], batch_numel: int) -> list[Unit]:
+def make_units(items: list[Item], batch_numel: int, num_owners: int = 1) -> list[Unit]:
     """Same-shape 2-D matrices of one group in order, up to `batch_numel` elements per unit.
 
     A matrix of a 3-D stack, or one that cannot share `batch_numel` with another of its
-    shape, is a unit alone. Built from shapes and order alone: the same units on any number
-    of ranks.
+    shape, is a unit alone. With `num_owners` > 1, n matrices of one shape are batched only
+    as far as the owners stay evenly loaded: at least `num_owners` units of them when
+    n >= num_owners (8 equal matrices over 4 owners: 4 units of 2, not 1 of 8). Built from
+    shapes, order and the owner count alone: the same units on every rank.
     """
-    units: list[Unit] = []
-    open_units: dict[tuple[Any, ...], Unit] = {}
+    keys: list[tuple[Any, ...] | None] = []
+    counts: dict[tuple[Any, ...], int] = {}
     for item in items:
         layout = item.layout
         shape = matrix_shape(layout.full_shape)
-        numel = math.prod(shape)
-        if len(shape) != 2 or 2 * numel > batch_numel:
-            units.append(Unit([item]))
+        if len(shape) != 2 or 2 * math.prod(shape) > batch_numel:
+            keys.append(None)
             continue
         # Batched matrices must also be split alike over any tensor-parallel axes.
         others = tuple(p for axis, p in enumerate(layout.placements) if axis != layout.axis)
-        key = (id(item.group), shape, layout.shape, others, item.param.dtype)
-        unit = open_units.get(key)
-        if unit is None or (len(unit.items) + 1) * numel > batch_numel:
-            unit = open_units[key] = Unit([])
+        key: tuple[Any, ...] = (id(item.group), shape, layout.shape, others, item.param.dtype)
+        keys.append(key)
+        counts[key] = counts.get(key, 0) + 1
+    units: list[Unit] = []
+    open_units: dict[tuple[Any, ...], Unit] = {}
+    for item, found in zip(items, keys, strict=True):
+        if found is None:
+            units.append(Unit([item]))
+            continue
+        numel = math.prod(found[1])
+        most = min(batch_numel // numel, _balanced_batch(counts[found], num_owners))
+        unit = open_units.get(found)
+        if unit is None or len(unit.items) + 1 > most:
+            unit = open_units[found] = Unit([])
             units.append(unit)
         unit.items.append(item)
     return units
+
+
+def _balanced_batch(count: int, num_owners: int) -> int:
+    """The most matrices of one shape per unit that still gives every owner one, if it can.
+
+    Example: 8 over 3 owners -> 3 (units of 3, 3, 2); 5 over 4 -> 1 (2 would make 3 units).
+    """
+    if num_owners <= 1 or count <= 1:
+        return max(count, 1)
+    size = -(-count // num_owners)
+    if -(-count // size) < num_owners:
+        size = max(1, count // num_owners)
+    return size
 
 
 def plan_units(units: list[Unit], ns_steps: int) -> list[Unit]:
