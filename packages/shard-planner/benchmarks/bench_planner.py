@@ -91,7 +91,8 @@ def speed(repeats: int) -> None:
             lambda rows=rows: [plan_layout(g.specs(rows), 1024) for g in preset.groups], repeats
         )
         print(
-            f"deepseek-v3-671b-per-expert whole preset ({len(preset.groups)} groups), W=1024, rows={rows:>3}: "
+            f"deepseek-v3-671b-per-expert whole preset ({len(preset.groups)} groups), "
+            f"W=1024, rows={rows:>3}: "
             f"median {med:.3f}  max {worst:.3f}  (target < 2)"
         )
 

@@ -258,14 +258,17 @@ def test_advise_ranks_the_splits_and_names_the_padding(tmp_path, capsys) -> None
 
 
 def test_advise_says_when_nothing_fits(capsys) -> None:
-    argv = ["advise", "--preset", "deepseek-v3-671b-per-expert", "--ranks", "1024", "--memory-gb", "80"]
+    argv = ["advise", "--preset", "deepseek-v3-671b-per-expert", "--ranks", "1024"]
+    argv += ["--memory-gb", "80"]
     assert main([*argv, "--expert-groups", "0"]) == 0  # blocks whole: nothing fits
     out = capsys.readouterr().out
     assert "no split fits in 80.0 GiB per rank" in out
     # What each single change gives: bf16 gathers alone do not fit, expert groups do.
     assert "next lever: bf16 gathers (--compute-bytes 2): smallest peak 95.7 GiB" in out
-    assert "next lever: every expert granularity (no --expert-groups): smallest peak" in out
-    assert out.rstrip().endswith("fits") and "does not fit" in out
+    lever = "next lever: every expert granularity (no --expert-groups): smallest peak 25.6 GiB"
+    assert f"{lever} (1 x 1024), fits" in out and "does not fit" in out
+    # More ranks: twice as many hold the sharded state beside the whole blocks' transients.
+    assert "next lever: more ranks: 2048 fit (4 x 512, 54.4 GiB per rank)" in out
 
 
 def test_advise_plot_needs_matplotlib_or_draws(tmp_path, capsys) -> None:

@@ -176,3 +176,26 @@ def test_printed_calls_reach_modules_whose_names_are_not_attributes() -> None:
     # `model.norm-1` would be a subtraction; get_submodule takes any registered name.
     assert "fully_shard(model.get_submodule('norm-1'))" in lines, lines
     assert not any("model.norm-1" in line for line in lines), lines
+
+
+def test_no_fit_answers_with_the_table_and_what_fits(capsys) -> None:
+    # At 8192 ranks the embedding's 4,008 blocks refuse W >= 8192; smaller shard sizes are
+    # estimated, so the answer is the no-fit table and its levers, not that refusal.
+    argv = ["advise", "--preset", "llama3-8b", "--ranks", "8192", "--memory-gb", "0.5"]
+    assert main([*argv, "--block-rows", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "no split fits in 0.5 GiB per rank" in out and "fewer than W=" not in out
+    rows = [line for line in out.splitlines() if line.startswith("| - |")]
+    assert len(rows) == 10 and "more rows (--all prints every row)" in out
+    assert "next lever: one-row blocks (--block-rows 1)" in out
+    assert main([*argv, "--block-rows", "32", "--all"]) == 0
+    assert len([ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| - |")]) > 10
+
+
+def test_no_fit_names_the_rank_count_that_fits(capsys) -> None:
+    assert main(["advise", "--preset", "llama3-70b", "--ranks", "8", "--memory-gb", "80"]) == 0
+    out = capsys.readouterr().out
+    # 70.6B parameters with fp32 AdamW: 16 bytes each, 1.13 TB of state; 16 ranks hold it.
+    assert "next lever: more ranks: 16 fit (1 x 16, 76.8 GiB per rank)" in out, out[-1500:]
+    assert main(["advise", "--preset", "llama3-70b", "--ranks", "16", "--memory-gb", "80"]) == 0
+    assert "| 1 | 1 x 16 |" in capsys.readouterr().out  # and it does

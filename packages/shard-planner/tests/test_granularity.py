@@ -88,7 +88,8 @@ def test_advise_fits_deepseek_at_1024_by_splitting_experts(capsys) -> None:
     assert ranked and ranked[0].expert_groups > 0 and ranked[0].headroom >= 0.1
     two = [c for c in ranked if c.expert_groups == 2 and c.shard_size == 1024]
     assert round(two[0].memory_bytes / 2**30, 1) == 51.9  # what splitting in 2 was found to give
-    argv = ["advise", "--preset", "deepseek-v3-671b-per-expert", "--ranks", "1024", "--memory-gb", "80"]
+    argv = ["advise", "--preset", "deepseek-v3-671b-per-expert", "--ranks", "1024"]
+    argv += ["--memory-gb", "80"]
     assert main([*argv, "--compute-bytes", "2"]) == 0
     out = capsys.readouterr().out
     assert "| 1 | 2 x 512 | experts in 4, dense blocks on 8 |" in out

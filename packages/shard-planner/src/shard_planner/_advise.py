@@ -158,6 +158,7 @@ def advise(
     if not isinstance(given, int | float) or isinstance(given, bool) or not 0 <= given < 1:
         raise ValueError(f"min_headroom must be a fraction in [0, 1), got {min_headroom!r}")
     out, refused = [], []
+    estimated = False  # some split was estimated (it may not fit): no refusal to raise
     granularities = _granularities(groups, expert_groups)
     degrees = _ep_degrees(groups, expert_parallel, options.get("compute"), num_ranks)
     checkpointing = _checkpointing(activations)
@@ -200,6 +201,7 @@ def advise(
                     refused.append(err)
                     base_padding = 1.0  # too few blocks for W: fewer ranks may fit them
                     continue
+                estimated = True
                 if size is None:
                     base_padding = est.padding_ratio
                 peak = est.memory_bytes + activation_bytes
@@ -208,8 +210,8 @@ def advise(
                     out.append(Candidate(replicate, shard, est, peak, fits, headroom, k,
                                          chosen.get("optimizer", "adamw"),
                                          chosen.get("grad_bytes", 4)))  # fmt: skip
-    if refused and not out:
-        raise refused[0]
+    if refused and not out and not estimated:
+        raise refused[0]  # no shard size of these ranks holds every group's blocks
     fitting = [c for c in out if c.fits]
     roomy = _rank([c for c in fitting if c.headroom >= min_headroom])
     tight = _rank([c for c in fitting if c.headroom < min_headroom])

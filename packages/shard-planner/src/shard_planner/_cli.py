@@ -32,8 +32,8 @@ from shard_planner._cost_report import (
     to_json,
 )
 from shard_planner._estimate import estimate
-from shard_planner._estimate_checks import check_blocks_fit
-from shard_planner._granularity import has_experts
+from shard_planner._estimate_checks import BlockTooLargeError, check_blocks_fit
+from shard_planner._granularity import has_experts, num_experts
 from shard_planner._layout import Layout, dump_plan, load_plan
 from shard_planner._links import load_links
 from shard_planner._plan import plan_layout
@@ -51,6 +51,7 @@ from shard_planner._report import (
     format_table,
     plot_cases,
 )
+from shard_planner._spec import MAX_WORLD_SIZE
 
 
 class UsageError(Exception):
@@ -279,21 +280,28 @@ def _cmd_advise(args: argparse.Namespace) -> None:
         "prefetch": args.prefetch,
         "dense_shard_sizes": args.dense_shard_sizes,
     }
-    candidates = _advise(model, args, memory, **search)
-    if not candidates:  # nothing fits: every split, for the table and the levers
-        candidates = _advise(model, args, memory, include_all=True, **search)
     print(
         f"{model.name}: {model.numel:,} parameters on {args.ranks} ranks ({args.ranks_per_node} "
         f"per node), {args.memory_gb:g} GiB per rank, {args.block_rows} rows per block, "
         f"optimizer {args.optimizer}"
     )
-    print(format_candidates(candidates, memory))
+    try:
+        candidates = _advise(model, args, memory, **search)
+        if not candidates:  # nothing fits: every split, for the table and the levers
+            candidates = _advise(model, args, memory, include_all=True, **search)
+    except BlockTooLargeError as err:  # no shard size can hold every group's blocks
+        print(f"no (replicate, shard) split of {args.ranks} ranks shards every group: {err}")
+        for line in _levers(model, args, memory):
+            print(line)
+        return
+    print(format_candidates(candidates, memory, max_rows=None if args.all else 10))
     if not candidates:
         return
     print(padding_note(candidates))
     best = next((c for c in candidates if c.fits), None)
     if best is None:
-        for line in _levers(model, args, memory):
+        least = min(candidates, key=lambda c: c.memory_bytes)
+        for line in _levers(model, args, memory, least):
             print(line)
     if best is not None:
         print("\n".join(layout_lines(best, model.groups, args.block_rows)))
@@ -308,13 +316,17 @@ def _cmd_advise(args: argparse.Namespace) -> None:
 
 
 def _advise(
-    model: ModelPreset, args: argparse.Namespace, memory: int, **overrides: Any
+    model: ModelPreset,
+    args: argparse.Namespace,
+    memory: int,
+    num_ranks: int | None = None,
+    **overrides: Any,
 ) -> list[Candidate]:
-    """`advise` with the command line's options, some replaced, every split included."""
+    """`advise` with the command line's options, some replaced."""
     options: dict[str, Any] = {"min_headroom": args.min_headroom, **_cost_options(args)}
     return advise(
         model.groups,
-        num_ranks=args.ranks,
+        num_ranks=num_ranks or args.ranks,
         ranks_per_node=args.ranks_per_node,
         memory_bytes=memory,
         activation_bytes=int(args.activation_gb * 2**30),
@@ -322,7 +334,9 @@ def _advise(
     )
 
 
-def _levers(model: ModelPreset, args: argparse.Namespace, memory: int) -> list[str]:
+def _levers(
+    model: ModelPreset, args: argparse.Namespace, memory: int, least: Candidate | None = None
+) -> list[str]:
     """When nothing fits: what each single change of the options would give (its best peak)."""
     levers: list[tuple[str, dict[str, Any]]] = []
     if (args.compute_bytes or args.param_bytes) > 2:
@@ -337,19 +351,72 @@ def _levers(model: ModelPreset, args: argparse.Namespace, memory: int) -> list[s
         )  # fmt: skip
     if args.expert_groups is not None and has_experts(model.groups):
         levers.append(("every expert granularity (no --expert-groups)", {}))
+    if args.block_rows > 1:
+        levers.append(("one-row blocks (--block-rows 1)", {"block_rows": 1}))
     lines = []
     for what, change in levers:
         expert_groups = None if not change else args.expert_groups
-        tried = _advise(
-            model, args, memory, expert_groups=expert_groups, include_all=True, **change
-        )
+        try:
+            tried = _advise(
+                model, args, memory, expert_groups=expert_groups, include_all=True, **change
+            )
+        except BlockTooLargeError:
+            tried = []
+        if not tried:
+            lines.append(f"next lever: {what}: no split shards every group either")
+            continue
         least = min(tried, key=lambda c: c.memory_bytes)
         verdict = "fits" if least.fits else "does not fit"
         lines.append(
             f"next lever: {what}: smallest peak {least.memory_bytes / 2**30:.1f} GiB "
             f"({least.replicate_size} x {least.shard_size}), {verdict}"
         )
+    lines.append(_more_ranks(model, args, memory, least))
+    if num_experts(model.groups) > 1 and args.tokens_per_rank is None:
+        lines.append(
+            "next lever: expert parallelism, searched once --tokens-per-rank and --top-k price "
+            "its all-to-alls"
+        )
     return lines
+
+
+def _more_ranks(
+    model: ModelPreset, args: argparse.Namespace, memory: int, least: Candidate | None
+) -> str:
+    """The rank count at which the smallest-peak split would fit, checked by one `advise`.
+
+    More shards divide the sharded state (parameters, gradients, optimizer state) but not
+    the transients (gathered groups, reduce-scatter input, activations): from the split
+    with the smallest peak, the shard count whose state fits beside them, rounded up to a
+    power-of-two multiple of the ranks asked for.
+    """
+    if least is None:
+        return "next lever: more ranks: no split of these ranks could be estimated"
+    est = least.estimate
+    state = est.param_bytes + est.grad_bytes + est.optimizer_bytes
+    transient = least.memory_bytes - state
+    if transient >= memory:
+        return (
+            f"next lever: more ranks do not help: the gathered groups, reduce-scatter input "
+            f"and activations alone take {transient / 2**30:.1f} GiB per rank at any shard size"
+        )
+    factor = 1
+    while state * least.shard_size / (least.shard_size * factor) > memory - transient:
+        factor *= 2
+    ranks = args.ranks * max(factor, 2)
+    if ranks > MAX_WORLD_SIZE:
+        return f"next lever: more ranks: it would take over {MAX_WORLD_SIZE:,} ranks"
+    try:
+        found = _advise(model, args, memory, num_ranks=ranks)
+    except BlockTooLargeError:
+        found = []
+    if not found:
+        return f"next lever: more ranks: {ranks} ranks hold the sharded state, yet no split fits"
+    best = found[0]
+    return (
+        f"next lever: more ranks: {ranks} fit ({best.replicate_size} x {best.shard_size}, "
+        f"{best.memory_bytes / 2**30:.1f} GiB per rank)"
+    )
 
 
 class _FORMAT(argparse.ArgumentDefaultsHelpFormatter):

@@ -270,6 +270,9 @@ def add_advise_options(adv: argparse.ArgumentParser) -> None:
         type=count_list,
         help="prefetch depths to try, e.g. 1,2 (default: 1, and 2 with --tokens-per-rank)",
     )
+    adv.add_argument(
+        "--all", action="store_true", help="print every split and setting, not the first 10"
+    )
     adv.add_argument("--plot", help="padding and memory vs shard size, PNG (needs matplotlib)")
 
 

@@ -58,8 +58,13 @@ def format_estimate(est: Estimate) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-def format_candidates(candidates: Sequence[Candidate], memory_bytes: int) -> str:
-    """The ranking as a markdown table; splits that do not fit are marked."""
+def format_candidates(
+    candidates: Sequence[Candidate], memory_bytes: int, *, max_rows: int | None = None
+) -> str:
+    """The ranking as a markdown table; splits that do not fit are marked.
+
+    With `max_rows`, the first rows only, and a line saying how many were left out.
+    """
     timed = any(c.estimate.step_time_s for c in candidates)
     step = "step s | compute s | " if timed else ""
     lines = [
@@ -67,7 +72,8 @@ def format_candidates(candidates: Sequence[Candidate], memory_bytes: int) -> str
         "| headroom | fits |",
         "| --- " * (8 + 2 * timed) + "|",
     ]
-    for i, c in enumerate(candidates, 1):
+    shown = candidates if max_rows is None else candidates[:max_rows]
+    for i, c in enumerate(shown, 1):
         est = c.estimate
         times = f"{est.step_time_s:.3f} | {est.compute_time_s:.3f} | " if timed else ""
         lines.append(
@@ -77,6 +83,8 @@ def format_candidates(candidates: Sequence[Candidate], memory_bytes: int) -> str
             f"{c.memory_bytes / _GIB:.1f} | {100 * c.headroom:.0f}% | "
             f"{'yes' if c.fits else 'no'} |"
         )
+    if len(shown) < len(candidates):
+        lines.append(f"... {len(candidates) - len(shown):,} more rows (--all prints every row)")
     fitting = [c for c in candidates if c.fits]
     if not candidates:
         lines.append(
