@@ -8,3 +8,4 @@ import pytest
 def test_estimate_equals_what_is_allocated_and_sent(pools, world, mode) -> None:
     for optimizer in ("adamw", "sgd", "muon", "adamw8bit"):
         pools[world].run(cases.check_estimate_matches, mode, optimizer)
+    pools[world].run(cases.check_estimate_matches, mode, "adamw", True)  # a bf16 reduce

@@ -60,7 +60,7 @@ def _local_bytes(t: torch.Tensor) -> int:
     return (t.to_local() if isinstance(t, DTensor) else t).nbytes
 
 
-def check_estimate_matches(mode: str, optimizer: str) -> dict[str, Any]:
+def check_estimate_matches(mode: str, optimizer: str, reduce_bf16: bool = False) -> dict[str, Any]:
     world = dist.get_world_size()
     if mode == "hsdp":
         mesh = init_device_mesh("cpu", (2, world // 2))
@@ -76,8 +76,10 @@ def check_estimate_matches(mode: str, optimizer: str) -> dict[str, Any]:
         replicate_size=replicas,
         block_rows=block_rows,
         optimizer=optimizer,
+        grad_bytes=2 if reduce_bf16 else 4,  # the reduce dtype
         allow_idle_ranks=True,  # as the DBuffers below: small groups may leave ranks idle
     )
+    reduce_dtype = torch.bfloat16 if reduce_bf16 else None
     gen = torch.Generator().manual_seed(0)
     buffers = [
         DBuffer(
@@ -100,7 +102,7 @@ def check_estimate_matches(mode: str, optimizer: str) -> dict[str, Any]:
         b.reshard()
     with CommCounter() as reduces:
         for b in buffers:
-            b.reduce_scatter(op="avg").wait()
+            b.reduce_scatter(op="avg", reduce_dtype=reduce_dtype).wait()
     # The estimate describes a reduce-scatter, (W-1) S b per group. On gloo DBuffer
     # all-reduces the W S-element gradient buffer in place instead (gloo's own reduce-scatter
     # is that all-reduce, on a clone), which the counter counts as W S b.
@@ -111,11 +113,13 @@ def check_estimate_matches(mode: str, optimizer: str) -> dict[str, Any]:
         )
     else:
         assert reduces.bytes_sent == est.reduce_scatter_bytes == 0, (reduces.bytes_sent, est)
+    # The sharded gradients stay fp32 with a bf16 reduce (the estimate counted them at the
+    # reduce dtype before: half of what is allocated).
     assert sum(b.local_grad.nbytes for b in buffers) == est.grad_bytes
     with CommCounter() as all_reduces:
         for b in buffers:
             if b.replicate_axis is not None:
-                b.all_reduce(op="avg").wait()
+                b.all_reduce(op="avg", reduce_dtype=reduce_dtype).wait()
     assert all_reduces.bytes_sent == est.all_reduce_bytes
     params = []
     for b in buffers:

@@ -342,7 +342,9 @@ def estimate(
     rows, S aligned to `align_bytes`, as DBuffer plans it), giving its shard size S_g.
 
     Per rank (b_p = param_bytes, b_g = grad_bytes, b_c = compute_bytes or b_p):
-    - parameters: sum_g S_g b_p; gradients: sum_g S_g b_g (padding included: it is allocated);
+    - parameters: sum_g S_g b_p; gradients: sum_g S_g b_p (padding included: it is allocated;
+      the sharded gradients keep the parameters' dtype, as FSDP2 and fsdp_engine keep them,
+      whatever the reduce dtype);
     - optimizer state, per rank r, over the real elements n_r it holds (padding excluded):
       adamw 2 b_p n_r; sgd (momentum) b_p n_r; muon b_p per element of matrices (>= 2-D,
       names without embed/head/output) and 2 b_p elsewhere (its AdamW groups); adamw8bit
@@ -351,7 +353,9 @@ def estimate(
     - unsharded: max_g W_g S_g b_c; with prefetch max_g (W_g S_g + W_g+1 S_g+1) b_c (prefetch
       p: p + 1 adjacent groups; without
       reshard_after_forward every group stays gathered from forward to backward: sum_g);
-      reduce-scatter input max_g W_g S_g b_g; activations (`activations`, `_activations.py`);
+      reduce-scatter input max_g W_g S_g b_p, plus W_g S_g b_g when the reduce dtype differs
+      (the gradients in the parameters' dtype, and their cast for the collective);
+      activations (`activations`, `_activations.py`);
       `memory_bytes` sums these with the sharded state. W_g is W, or W / e for a group of
       experts under expert parallelism e.
     Per step, sent by each rank (what ragged_placement's CommCounter counts; received alike):
@@ -375,7 +379,8 @@ def estimate(
         shard_size: W, ranks in each FSDP (shard) group.
         replicate_size: R, replicas (HSDP); R x W ranks in all.
         param_bytes: Bytes per stored parameter element (4: fp32).
-        grad_bytes: Bytes per gradient element (also the reduce dtype).
+        grad_bytes: Bytes per element of the gradient reduction (the reduce dtype: 2 for a
+            bf16 reduce-scatter); the sharded gradients stay in the parameters' dtype.
         compute_bytes: Bytes per gathered element (2 for bf16 mixed precision); default
             param_bytes.
         optimizer: "adamw", "adamw8bit" (needs block_rows a multiple of 32), "muon" or "sgd".
@@ -461,23 +466,24 @@ def estimate(
             moe_blocks = num_moe_blocks(groups)
             a2a_bytes, a2a_time = all_to_all(compute_model, moe_blocks, ep, gathered, w * r, net)
         # The update reads parameters, gradients and state, and writes parameters and state.
-        streamed = 2 * total * param_bytes + total * grad_bytes + 2 * max(optimizer_by_rank)
+        streamed = 3 * total * param_bytes + 2 * max(optimizer_by_rank)
         regather = gathers if reshard_after_forward else [0.0] * len(gathers)
         timing = _timing(compute_model, original, checkpointing, streamed, a2a_time,
                          gathers, reduces, regather, prefetch)  # fmt: skip
     sent = [(span.width - 1) * s for span, s in zip(spans, shard_sizes, strict=True)]
+    cast_bytes = grad_bytes if grad_bytes != param_bytes else 0  # the reduce dtype's copy
     # A group's copies (HSDP replicas, a dense sub-mesh's copies) all-reduce its gradients.
     copied = [s for span, s in zip(spans, shard_sizes, strict=True) if r * w > span.block]
     return Estimate(
         shard_size=w,
         replicate_size=r,
         param_bytes=total * param_bytes,
-        grad_bytes=total * grad_bytes,
+        grad_bytes=total * param_bytes,
         optimizer_bytes=max(optimizer_by_rank),
         optimizer_bytes_by_rank=tuple(optimizer_by_rank),
         unsharded_bytes=max(full) * gathered,
         prefetch_unsharded_bytes=max(pairs) * gathered,
-        reduce_scatter_input_bytes=max(full) * grad_bytes,
+        reduce_scatter_input_bytes=max(full) * (param_bytes + cast_bytes),
         all_gather_bytes=gathers_per_group * sum(sent) * gathered,
         reduce_scatter_bytes=sum(sent) * grad_bytes,
         all_reduce_bytes=sum(copied) * grad_bytes,
