@@ -9,12 +9,15 @@ records, as FSDP does, the parameters each call takes (those no earlier call too
 
 from __future__ import annotations
 
+import math
 import textwrap
 
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+fsdp_engine = pytest.importorskip("fsdp_engine")
+device_mesh = pytest.importorskip("torch.distributed.device_mesh")
 
 from shard_planner import fully_shard_calls, load_preset  # noqa: E402
 from shard_planner._cli import main  # noqa: E402
@@ -42,8 +45,10 @@ class _Recorder:
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.taken: set[int] = set()
         self.groups: list[set[str]] = []
+        self.kwargs: list[dict[str, object]] = []
 
-    def __call__(self, module: object, **_: object) -> object:
+    def __call__(self, module: object, **kwargs: object) -> object:
+        self.kwargs.append(kwargs)
         modules = module if isinstance(module, list) else [module]
         assert modules and all(isinstance(m, torch.nn.Module) for m in modules), module
         group = {
@@ -89,7 +94,9 @@ def test_printed_calls_apply_verbatim_and_make_the_planned_groups(preset_name) -
     [("deepseek-v3-671b", 1024, True), ("gpt-oss-120b", 64, True), ("qwen3-30b-a3b", 64, True),
      ("llama3-70b", 128, False)],
 )  # fmt: skip
-def test_advise_output_runs_as_printed(preset_name, num_ranks, uses_ep, capsys) -> None:
+def test_advise_output_runs_as_printed(
+    preset_name, num_ranks, uses_ep, capsys, monkeypatch
+) -> None:
     argv = ["advise", "--preset", preset_name, "--ranks", str(num_ranks), "--memory-gb", "80"]
     argv += ["--compute-bytes", "2", "--tokens-per-rank", "4096", "--top-k", "4"]
     assert main(argv) == 0
@@ -98,14 +105,37 @@ def test_advise_output_runs_as_printed(preset_name, num_ranks, uses_ep, capsys) 
     # the first plan of the large MoEs uses it (the tokens then go to their experts).
     first = next(line for line in out.splitlines() if line.startswith("| 1 |"))
     assert ("EP " in first) == uses_ep, first
-    assert "then bottom-up:" in out, out[-2000:]
-    # The printed code: the indented lines under "then bottom-up:" (the notes follow it).
-    after = out.split("then bottom-up:\n", 1)[1].splitlines()
+    assert "the first plan as code" in out, out[-2000:]
+    # The printed code: the indented lines under its heading (the notes follow it).
+    after = out.split("the first plan as code", 1)[1].splitlines()[1:]
     block = []
     for line in after:
-        if not line.startswith("    "):
+        if line and not line.startswith("    "):
             break
         block.append(line)
-    lines = textwrap.dedent("\n".join(block)).splitlines()
-    made = _run(lines, _meta_model(preset_name))
-    assert len(made) > 3
+    code = textwrap.dedent("\n".join(block))
+    model = _meta_model(preset_name)
+    record = _Recorder(model)
+    meshes: list[tuple[int, ...]] = []
+
+    class FakeMesh:  # init_device_mesh's result where no process group exists
+        def __init__(self, shape: tuple[int, ...], names: tuple[str, ...]) -> None:
+            self.shape, self.names = shape, names
+
+        def __getitem__(self, names: object) -> FakeMesh:
+            return self
+
+    def init_device_mesh(device: str, shape: tuple[int, ...], mesh_dim_names: tuple[str, ...]):
+        assert device == "cuda" and len(shape) == len(mesh_dim_names)
+        meshes.append(shape)
+        return FakeMesh(shape, mesh_dim_names)
+
+    monkeypatch.setattr(device_mesh, "init_device_mesh", init_device_mesh)
+    monkeypatch.setattr(fsdp_engine, "fully_shard", record)
+    exec(code, {"model": model})
+    assert record.taken == set(record.names), "some parameters were in no group"
+    assert len(record.groups) > 3
+    # The plan's settings reached every call: its mesh's shape, bf16 compute, fp32 reduce.
+    assert math.prod(meshes[0]) == num_ranks
+    assert all(kw["mp_policy"].param_dtype == torch.bfloat16 for kw in record.kwargs)
+    assert all(kw["block_rows"] == 1 for kw in record.kwargs)

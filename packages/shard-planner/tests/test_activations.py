@@ -154,7 +154,7 @@ def test_command_line_prices_activations_and_searches_the_settings(capsys) -> No
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "| 1 | " in out and "blocks, AC" in out and "16-bit reduce" in out
-    assert "# first, activation checkpointing of every block" in out
+    assert "# activation checkpointing of every block first (checkpoint_wrapper)" in out
     # The first plan's peak by part, adding up to the table's figure.
     assert "memory of the first, per rank: parameters " in out and " activations " in out
     assert main(["estimate", "--preset", "llama3-8b", "--shard-size", "8", "--seq-len", "8192",

@@ -88,7 +88,9 @@ def test_the_2_4t_model_at_10240_ranks_gets_an_ep_plan_within_3x_of_compute(caps
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "| 1 | 10 x 1024 | experts apart, EP 64, prefetch 2 |" in out
-    assert "# experts_mesh (10, 16): the ranks holding the same experts" in out
+    # The ranks holding the same experts: (replicate, dp) of a (10, 16, 64) mesh.
+    assert 'init_device_mesh("cuda", (10, 16, 64), mesh_dim_names=("replicate", "dp", "ep"))' in out
+    assert 'experts_mesh = ep_mesh["replicate", "dp"]' in out
     assert "for j in range(0, 16)], mesh=experts_mesh)" in out  # 256 / 64 experts, from 0
     assert "note: communication is" not in out  # within 3x: nothing to warn about
 

@@ -94,8 +94,12 @@ def test_advise_fits_deepseek_at_1024_by_splitting_experts(capsys) -> None:
     out = capsys.readouterr().out
     assert "| 1 | 2 x 512 | experts in 4, dense blocks on 8 |" in out
     assert "| 2 | 4 x 256 | experts in 8 |" in out
-    assert "layout of the first: mesh (2, 512) (replicate, shard), block_rows=1" in out
-    assert "    # dense_mesh (128, 8) (replicate, shard): each dense block sharded" in out
+    assert 'mesh = init_device_mesh("cuda", (2, 512), mesh_dim_names=("replicate", "shard"))' in out
+    assert (
+        '    dense_mesh = init_device_mesh("cuda", (128, 8), mesh_dim_names=("replicate", "shard"))'
+        in out
+    )
+    assert "        block_rows=1,\n" in out
     assert "        fully_shard(model.model.layers[i], mesh=dense_mesh)" in out
     assert (
         "        fully_shard([model.model.layers[i].mlp.experts[j] for j in range(lo, lo + 64)])"

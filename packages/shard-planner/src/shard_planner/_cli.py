@@ -26,7 +26,6 @@ from shard_planner._compute import ComputeModel
 from shard_planner._cost_report import (
     format_candidates,
     format_estimate,
-    layout_lines,
     padding_note,
     plot_candidates,
     to_json,
@@ -43,6 +42,7 @@ from shard_planner._presets import (
     load_group_file,
     load_preset,
 )
+from shard_planner._recipe import layout_lines
 from shard_planner._report import (
     compare_case,
     describe_layout,
@@ -304,7 +304,11 @@ def _cmd_advise(args: argparse.Namespace) -> None:
         for line in _levers(model, args, memory, least):
             print(line)
     if best is not None:
-        print("\n".join(layout_lines(best, model.groups, args.block_rows)))
+        recipe = layout_lines(
+            best, model.groups, args.block_rows,
+            param_bytes=args.param_bytes, compute_bytes=args.compute_bytes,
+        )  # fmt: skip
+        print("\n".join(recipe))
     if args.json:
         text = to_json(candidates)
         _write(args.json, lambda path: pathlib.Path(path).write_text(text))

@@ -9,9 +9,6 @@ from typing import Any
 
 from shard_planner._advise import Candidate
 from shard_planner._estimate import Estimate
-from shard_planner._expert_parallel import expert_groups_under_ep
-from shard_planner._granularity import fully_shard_calls, split_experts
-from shard_planner._presets import GroupSpec
 
 _GIB = 2**30
 
@@ -195,66 +192,3 @@ def plot_candidates(
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def layout_lines(candidate: Candidate, groups: Sequence[GroupSpec], block_rows: int) -> list[str]:
-    """How to build a plan: its memory by part, its meshes and the `fully_shard` calls.
-
-    The calls run as they are with `model`, `fully_shard` (with the mesh and block_rows
-    bound) and the meshes the comments name in scope.
-    """
-    est = candidate.estimate
-    grouped = split_experts(groups, candidate.expert_groups)
-    assert grouped is not None  # advise made it
-    lines = [
-        f"memory of the first, per rank: {memory_parts(est)}",
-        f"layout of the first: mesh ({candidate.replicate_size}, {candidate.shard_size}) "
-        f"(replicate, shard), block_rows={block_rows}, then bottom-up:",
-    ]
-    ep, dense = est.expert_parallel, est.dense_shard_size
-    if ep > 1:  # what one rank holds: its 1/e of each block's experts, numbered from 0
-        grouped = tuple(expert_groups_under_ep(grouped, ep)[0])
-        dp = candidate.shard_size // ep
-        shape = (
-            f"({candidate.replicate_size}, {dp})" if candidate.replicate_size > 1 else f"({dp},)"
-        )
-        lines.append(
-            f"    # experts_mesh {shape}: the ranks holding the same experts, the 'dp' axis of "
-            f"{candidate.shard_size} shard ranks as ({dp}, {ep}) ('dp', 'ep'); first each block "
-            f"keeps its 1/{ep} of the experts over 'ep' (numbered from 0)"
-        )
-    if dense is not None:
-        copies = candidate.replicate_size * candidate.shard_size // dense
-        lines.append(
-            f"    # dense_mesh ({copies}, {dense}) (replicate, shard): each dense block sharded "
-            f"over {dense} consecutive ranks, its copies all-reduced"
-        )
-    if not est.reshard_after_forward:
-        lines.append("    # every call with reshard_after_forward=False (bound with the mesh)")
-    if est.checkpointing:
-        lines.append("    # first, activation checkpointing of every block (checkpoint_wrapper)")
-    if est.prefetch > 1:
-        lines.append(
-            f"    # then each group prefetches the next {est.prefetch}: "
-            f"set_modules_to_forward_prefetch / set_modules_to_backward_prefetch"
-        )
-    calls = fully_shard_calls(
-        grouped,
-        experts_mesh="experts_mesh" if ep > 1 else None,
-        dense_mesh="dense_mesh" if dense is not None else None,
-    )
-    lines += [f"    {line}" for line in calls]
-    if est.step_time_s and est.comm_time_s > 3 * est.compute_time_s:
-        lines.append(
-            f"note: communication is {est.comm_time_s / est.compute_time_s:.0f}x the "
-            f"compute of {est.compute_time_s:.2f} s per step: FSDP sends each parameter "
-            f"three times per step (two gathers, one reduce), so with this few tokens "
-            f"per rank no mesh split or grouping hides it; more tokens per rank, or "
-            f"expert parallelism (--expert-parallel, priced with --top-k), is the lever"
-        )
-    if candidate.expert_groups:
-        lines.append(
-            "note: an expert group gathers when one of its experts runs: every rank must "
-            "run each group (call every expert, with no tokens if none are routed)"
-        )
-    return lines
