@@ -401,3 +401,59 @@ def check_tensor_parallel(optimizer: str) -> None:
         # A tp split that cuts a 32 x 32 block: refused, naming the parameter.
         _, _, bad = _tp_params({"w": ((96, 64), Shard(0))}, 16, seed=8)
         expect_error(ValueError, lambda: AdamW8bit(list(bad.items())), "w of shape (96, 64)")
+
+
+# -- HSDP: each matrix orthogonalized once in the whole mesh -----------------------------------
+
+
+def _counting_ns(flops: list[int]) -> Any:
+    """Wraps Muon's Newton-Schulz: adds the FLOPs of every matrix it orthogonalizes here."""
+    import ragged_optimizers._muon as muon
+    from ragged_optimizers import ns_flops
+
+    original = muon.newton_schulz
+
+    def counting(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        count = x.shape[0] if x.dim() == 3 else 1
+        flops.append(count * ns_flops(tuple(x.shape[-2:]), 5))
+        return original(x, *args, **kwargs)
+
+    return muon, original, counting
+
+
+def check_muon_hsdp(replica_owners: bool, shapes: dict[str, tuple[int, ...]],
+                    ns_batch_numel: int) -> dict[str, Any]:  # fmt: skip
+    """Muon on a (2, 2) (replicate, shard) mesh against one process: bitwise after 3 steps;
+    returns this rank's Newton-Schulz FLOPs and the bytes sent over the replicate axis."""
+    mesh = init_device_mesh("cpu", (2, 2))
+    full = _full_tensors(shapes, 0)
+    ref = {n: torch.nn.Parameter(t.clone()) for n, t in full.items()}
+    dist_params = {
+        n: torch.nn.Parameter(
+            distribute_tensor(t, mesh, [Replicate(), *_placements(n, t.shape, 2, "ragged")])
+        )
+        for n, t in full.items()
+    }
+    kwargs = {"lr": 0.02, "weight_decay": 0.1, "ns_batch_numel": ns_batch_numel}
+    ref_opt = Muon(list(ref.items()), **kwargs)
+    opt = Muon(list(dist_params.items()), replica_owners=replica_owners, **kwargs)
+    flops: list[int] = []
+    muon, original, counting = _counting_ns(flops)
+    gathered = 0
+    for step in range(3):
+        grads = _full_tensors(shapes, 100 + step)
+        for n, g in grads.items():
+            ref[n].grad = g.clone()
+            dist_params[n].grad = distribute_tensor(g, mesh, dist_params[n].placements)
+        ref_opt.step()
+        muon.newton_schulz = counting  # type: ignore[assignment]
+        try:
+            with CommCounter() as comms:
+                opt.step()
+        finally:
+            muon.newton_schulz = original
+        gathered += sum(c.bytes_sent for c in comms.collectives if c.kind == "all_gather")
+        for n in shapes:
+            assert torch.equal(dist_params[n].full_tensor(), ref[n].detach()), (n, step)
+    piece = next(iter(dist_params.values())).to_local().numel()
+    return {"flops": sum(flops) // 3, "gathered_bytes": gathered // 3, "piece": piece}

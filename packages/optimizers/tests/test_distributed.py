@@ -42,3 +42,33 @@ def test_dcp_save_at_4_load_at_2_and_3_continues_bitwise(pools, tmp_path, optimi
 def test_beside_tensor_parallelism_matches_single_process_bitwise(pools, world, optimizer) -> None:
     # (dp, tp) = (1, 2) and (2, 2): RaggedShard over dp beside Shard(0), Shard(1), Replicate.
     pools[world].run(cases.check_tensor_parallel, optimizer)
+
+
+EQUAL_MATRICES = {f"block{i}": (64, 64) for i in range(8)}  # 8 Linear(64, 64) weights
+
+
+@pytest.mark.parametrize("ns_batch_numel", [2**22, 1], ids=["batched", "one-per-batch"])
+def test_hsdp_orthogonalizes_each_matrix_once_in_the_mesh(pools, ns_batch_numel) -> None:
+    """(2, 2) HSDP: owners over the 4 ranks, not 2 per replica; bitwise one process."""
+    from ragged_optimizers import ns_flops
+
+    unique = len(EQUAL_MATRICES) * ns_flops((64, 64), 5)
+    once = pools[4].run(cases.check_muon_hsdp, True, EQUAL_MATRICES, ns_batch_numel)
+    twice = pools[4].run(cases.check_muon_hsdp, False, EQUAL_MATRICES, ns_batch_numel)
+    busiest = max(r["flops"] for r in once) / unique
+    assert busiest <= 0.30, busiest  # 2 of 8 matrices each (0.25)
+    assert sum(r["flops"] for r in once) == unique  # once in the whole mesh
+    # Per replica (the switch off): each replica orthogonalizes all 8 over its 2 ranks.
+    assert max(r["flops"] for r in twice) / unique == 0.5
+    assert sum(r["flops"] for r in twice) == 2 * unique
+    # The price: over the replicate axis each rank sends the other replica its pieces of
+    # its own replica's updates, in bfloat16: 4 of the 8 matrices (shard rank 0 of these
+    # ragged rows holds fewer of them than rank 1).
+    assert all(r["gathered_bytes"] == 4 * r["piece"] * 2 for r in once), once
+    assert sum(r["gathered_bytes"] for r in once) == 2 * 4 * 64 * 64 * 2
+    assert all(r["gathered_bytes"] == 0 for r in twice), twice
+
+
+def test_hsdp_muon_matches_single_process_bitwise(pools) -> None:
+    # Uneven, one-row, stacked and batched matrices (MUON_SHAPES) on the (2, 2) mesh.
+    pools[4].run(cases.check_muon_hsdp, True, cases.MUON_SHAPES, 2**22)

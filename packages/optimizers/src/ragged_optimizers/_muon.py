@@ -41,6 +41,12 @@ from ragged_optimizers._muon_exchange import (
     send_back,
     send_to_owners,
 )
+from ragged_optimizers._muon_replicas import (
+    Replicas,
+    plan_over_replicas,
+    replicas_of,
+    share_updates,
+)
 from ragged_optimizers._newton_schulz import newton_schulz, resolve_coefficients
 from ragged_optimizers._owner_plan import MatrixAssignment, ns_flops
 from ragged_optimizers._step import StepOptimizer
@@ -95,6 +101,11 @@ class Muon(StepOptimizer):
         adamw_weight_decay: AdamW groups' decoupled weight decay.
         bucket_bytes: Matrices travel in buckets of about this many bfloat16 bytes, one
             all-to-all each way per bucket; owners start on a bucket as soon as it arrives.
+        replica_owners: Under HSDP (a replicate axis beside the shard axis), orthogonalize
+            each matrix once in the whole mesh: owners are planned over replicate x shard
+            ranks and one all-gather over the replicate axis brings each rank the updates
+            the other replicas computed (bfloat16, (R - 1) / R of its pieces). False: every
+            replica orthogonalizes every matrix (no bytes over the replicate axis).
         ns_batch_numel: Same-shape 2-D matrices of a group (in parameter order) are
             orthogonalized together, as one batched Newton-Schulz, while the batch holds at
             most this many elements: many small matrices (an MoE's experts) cost one launch
@@ -132,7 +143,11 @@ class Muon(StepOptimizer):
         adamw_weight_decay: float = 0.0,
         bucket_bytes: int = 32 * 2**20,
         ns_batch_numel: int = 2**22,
+        replica_owners: bool = True,
     ) -> None:
+        if not isinstance(replica_owners, bool):
+            raise TypeError(f"replica_owners must be a bool, got {replica_owners!r}")
+        self._replica_owners = replica_owners
         for key, value in (("bucket_bytes", bucket_bytes), ("ns_batch_numel", ns_batch_numel)):
             given: object = value  # user input: check what came
             if isinstance(given, bool) or not isinstance(given, int) or given < 1:
@@ -223,7 +238,9 @@ class Muon(StepOptimizer):
         """The owner of every sharded Muon matrix, its FLOPs and the elements moved per step.
 
         Computed from shapes and placements alone, so every rank returns the same plan.
-        Matrices batched together (see `ns_batch_numel`) share an owner. Elements travel in
+        Matrices batched together (see `ns_batch_numel`) share an owner. Under HSDP with
+        `replica_owners`, an owner is a slot of the replicate x shard ranks: replica
+        owner // W, shard rank owner % W. Elements travel in
         bfloat16 (2 bytes each way). Matrices that are not sharded (plain tensors, replicated
         DTensors, one-rank meshes) are not listed: every rank updates them.
 
@@ -236,17 +253,25 @@ class Muon(StepOptimizer):
         """
         sharded = self._sharded()
         ns_steps = max((g["ns_steps"] for g in self.param_groups), default=5)
-        owners: dict[int, int] = {}
+        owners: dict[int, tuple[int, int]] = {}  # item -> (slot, owner on the shard axis)
         for members in by_process_group(sharded):
-            units = make_units(members, self._ns_batch_numel, members[0].layout.num_ranks)
-            for unit in plan_units(units, ns_steps):
-                owners.update((id(item), unit.owner) for item in unit.items)
+            world = members[0].layout.num_ranks
+            replicas = replicas_of(members[0].layout) if self._replica_owners else None
+            if replicas is None:
+                units = plan_units(make_units(members, self._ns_batch_numel, world), ns_steps)
+                slots = [unit.owner for unit in units]
+            else:
+                units = make_units(members, self._ns_batch_numel, world * replicas.size)
+                replica_of, _ = plan_over_replicas(units, replicas.size, ns_steps)
+                slots = [r * world + unit.owner for unit, r in zip(units, replica_of, strict=True)]
+            for unit, slot in zip(units, slots, strict=True):
+                owners.update((id(item), (slot, unit.owner)) for item in unit.items)
         out = []
         for index, item in enumerate(sharded):
             shape = matrix_shape(item.layout.full_shape)
             pieces = [hi - lo for lo, hi in item.layout.ranges]
-            owner = owners[id(item)]
-            moved = sum(pieces) - pieces[owner]
+            owner, on_axis = owners[id(item)]
+            moved = sum(pieces) - pieces[on_axis]
             flops = ns_flops(shape, ns_steps)
             out.append(MatrixAssignment(index, item.name, shape, owner, flops, moved, moved))
         return tuple(out)
@@ -276,6 +301,10 @@ class Muon(StepOptimizer):
             for members in by_process_group(agree(sharded)):
                 for item, update in zip(members, self._momenta(members), strict=True):
                     item.update = update.to(COMM_DTYPE)
+                replicas = replicas_of(members[0].layout) if self._replica_owners else None
+                if replicas is not None:
+                    self._exchange_over_replicas(members, replicas)
+                    continue
                 owners = members[0].layout.num_ranks
                 self._exchange(make_units(members, self._ns_batch_numel, owners))
 
@@ -346,12 +375,22 @@ class Muon(StepOptimizer):
         """`_apply_unit` of one parameter (for callers that go matrix by matrix)."""
         self._apply_unit(Unit([Item(param, "", layout, torch.empty(0), group)]), [update])
 
-    def _exchange(self, units: list[Unit]) -> None:
+    def _exchange(
+        self, units: list[Unit], *, plan: bool = True, apply: bool = True
+    ) -> dict[int, list[torch.Tensor]]:
+        """Gathers each unit to its owner, orthogonalizes it, sends every rank its pieces.
+
+        Returns each unit's pieces of its update on this rank (by unit id); with `apply`
+        they are applied too. `plan=False`: the units' owners are set already.
+        """
+        done: dict[int, list[torch.Tensor]] = {}
+        if not units:
+            return done
         layout0 = units[0].layout
         process_group, me, world = layout0.group, layout0.rank, layout0.num_ranks
         assert process_group is not None
-        ns_steps = max(unit.group["ns_steps"] for unit in units)
-        plan_units(units, ns_steps)
+        if plan:
+            plan_units(units, max(unit.group["ns_steps"] for unit in units))
         bucket_list = buckets(units, self._bucket_bytes)
         inbound = [send_to_owners(bucket, me, world, process_group) for bucket in bucket_list]
         outbound = []
@@ -373,7 +412,22 @@ class Muon(StepOptimizer):
                         lo, hi = item.layout.local_range
                         pieces.append(received[offset : offset + hi - lo])
                         offset += hi - lo
-                    self._apply_unit(unit, pieces)
+                    done[id(unit)] = pieces
+                    if apply:
+                        self._apply_unit(unit, pieces)
+        return done
+
+    def _exchange_over_replicas(self, members: list[Item], replicas: Replicas) -> None:
+        """`_exchange` with owners over replicate x shard ranks (`_muon_replicas.py`)."""
+        world = members[0].layout.num_ranks
+        units = make_units(members, self._ns_batch_numel, world * replicas.size)
+        ns_steps = max(unit.group["ns_steps"] for unit in units)
+        replica_of, _ = plan_over_replicas(units, replicas.size, ns_steps)
+        mine = [u for u, r in zip(units, replica_of, strict=True) if r == replicas.rank]
+        computed = self._exchange(mine, plan=False, apply=False)
+        shared = share_updates(units, replica_of, computed, replicas)
+        for unit in units:
+            self._apply_unit(unit, shared[id(unit)])
 
     def _adamw(self, group: dict[str, Any]) -> None:
         for param in group["params"]:

@@ -1,0 +1,114 @@
+"""Muon under HSDP: each matrix orthogonalized once in the whole mesh, not once per replica.
+
+Replicas hold the same shards, gradients (all-reduced over them) and momentum, so they would
+run the same Newton-Schulz on the same matrices. Instead the owner plan spans the replicate x
+shard ranks: a unit's owner is one (replica, shard rank) slot, chosen by the same LPT on
+Newton-Schulz FLOPs over R x W slots. Each replica exchanges only its own units within its
+shard group (as without replicas), then one all-gather over the replicate axis gives every
+rank its piece of every unit's update: each rank receives the pieces the other replicas
+computed, (R - 1) / R of its pieces of the updates in bfloat16, padded to the largest
+replica's share. The owner computes the same batch from the same inputs, so the updates are
+bitwise those of each replica computing them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor.placement_types import Replicate
+
+from ragged_optimizers._layout import ParamLayout
+from ragged_optimizers._muon_exchange import COMM_DTYPE, Unit
+from ragged_optimizers._owner_plan import MatrixAssignment, plan_owners
+
+
+@dataclass(frozen=True)
+class Replicas:
+    """The replicate axis of a sharded parameter's mesh (HSDP), as this rank sees it."""
+
+    group: dist.ProcessGroup
+    rank: int
+    size: int
+
+
+def replicas_of(layout: ParamLayout) -> Replicas | None:
+    """The one replicate axis of size > 1 beside the shard axis, if every other axis is one.
+
+    None for a 1-D mesh, or when another axis shards the parameter (tensor parallelism: its
+    blocks are gathered over that axis instead).
+    """
+    mesh = layout.mesh
+    if mesh is None or layout.axis is None or mesh.ndim < 2:
+        return None
+    others = [a for a in range(mesh.ndim) if a != layout.axis]
+    if not all(isinstance(layout.placements[a], Replicate) for a in others):
+        return None
+    wide = [a for a in others if mesh.size(a) > 1]
+    if len(wide) != 1:
+        return None
+    (axis,) = wide
+    return Replicas(mesh.get_group(axis), mesh.get_local_rank(axis), mesh.size(axis))
+
+
+def plan_over_replicas(
+    units: list[Unit], num_replicas: int, ns_steps: int
+) -> tuple[list[int], tuple[MatrixAssignment, ...]]:
+    """Each unit's replica, its owner on the shard axis set; the plan over R x W slots.
+
+    Slot s is replica s // W, shard rank s % W; a slot holds its shard rank's pieces, so the
+    plan prefers owners that hold much of a matrix, as on one replica.
+    """
+    if not units:
+        return [], ()
+    world = units[0].layout.num_ranks
+    slots = num_replicas * world
+    plan = plan_owners(
+        [unit.name for unit in units],
+        [unit.shape for unit in units],
+        [[unit.piece(slot % world) for slot in range(slots)] for unit in units],
+        slots,
+        ns_steps,
+    )
+    replica_of = []
+    for unit, assignment in zip(units, plan, strict=True):
+        replica, unit.owner = divmod(assignment.owner, world)
+        replica_of.append(replica)
+    return replica_of, plan
+
+
+def share_updates(
+    units: list[Unit],
+    replica_of: list[int],
+    mine: dict[int, list[torch.Tensor]],
+    replicas: Replicas,
+) -> dict[int, list[torch.Tensor]]:
+    """Every unit's pieces of its update on this rank, from the replica that computed it.
+
+    `mine` holds this rank's pieces of its own replica's units (by unit id). One all-gather
+    over the replicate axis, each replica's pieces in unit order, padded to the largest share.
+    """
+    me = units[0].layout.rank
+    sizes = [0] * replicas.size
+    for unit, replica in zip(units, replica_of, strict=True):
+        sizes[replica] += unit.piece(me)
+    width = max(sizes)
+    own = [p for u, r in zip(units, replica_of, strict=True) if r == replicas.rank
+           for p in mine[id(u)]]  # fmt: skip
+    send = torch.zeros(width, dtype=COMM_DTYPE)
+    if own:
+        joined = torch.cat(own)
+        send[: joined.numel()].copy_(joined)
+    gathered = torch.empty(width * replicas.size, dtype=COMM_DTYPE)
+    dist.all_gather_into_tensor(gathered, send, group=replicas.group)
+    offsets = [replica * width for replica in range(replicas.size)]
+    out: dict[int, list[torch.Tensor]] = {}
+    for unit, replica in zip(units, replica_of, strict=True):
+        pieces = []
+        for item in unit.items:
+            lo, hi = item.layout.local_range
+            pieces.append(gathered[offsets[replica] : offsets[replica] + hi - lo])
+            offsets[replica] += hi - lo
+        out[id(unit)] = pieces
+    return out
