@@ -273,6 +273,54 @@ def _preset_plans(presets: list[str], worlds: list[int]) -> list[dict[str, Any]]
     return rows
 
 
+def _hsdp_plans(presets: list[str], meshes: list[tuple[int, int]]) -> list[dict[str, Any]]:
+    """Owner plans over replicate x shard ranks (HSDP, `replica_owners`), from shapes alone.
+
+    Slot s holds shard rank s % W's pieces; the plan is LPT over R x W slots, as Muon makes
+    it. The bound is max(largest matrix, total / (R x W)); each replica doing all of its
+    matrices instead would take total / W at best.
+    """
+    import shard_planner
+    from ragged_optimizers import makespan, plan_owners
+    from ragged_placement._placement import chunk_range
+
+    rows = []
+    for preset in presets:
+        entries = [
+            e
+            for g in shard_planner.load_preset(preset).groups
+            for e in g.entries
+            if len(e.shape) in (2, 3) and not any(k in e.name for k in ("embed", "lm_head"))
+        ]
+        names = [e.name for e in entries]
+        shapes = [tuple(e.shape) for e in entries]
+        for replicas, world in meshes:
+            slots = replicas * world
+            pieces = [
+                [
+                    (hi - lo) * math.prod(s[1:])
+                    for lo, hi in (chunk_range(s[0], world, slot % world) for slot in range(slots))
+                ]
+                for s in shapes
+            ]
+            plan = plan_owners(names, shapes, pieces, slots, 5)
+            total = sum(a.flops for a in plan)
+            bound = max(max(a.flops for a in plan), total / slots)
+            rows.append({"preset": preset, "replicas": replicas, "world": world,
+                         "num_matrices": len(plan),
+                         "lpt_over_bound": makespan(plan, slots) / bound,
+                         "per_replica_over_bound": max(bound, total / world) / bound})  # fmt: skip
+    print("\nHSDP owner plans over replicate x shard ranks (bound = max(largest, total/(R W)))")
+    print("| preset | R x W | matrices | LPT makespan / bound | per replica, at best / bound |")
+    print("| --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(
+            f"| {r['preset']} | {r['replicas']} x {r['world']} | {r['num_matrices']:,} | "
+            f"{r['lpt_over_bound']:.3f} | {r['per_replica_over_bound']:.3f} |"
+        )
+    return rows
+
+
 def _alternating_ms(
     steps: dict[Any, Any], rounds: int, sync: Any = lambda: None
 ) -> dict[Any, float]:
@@ -448,6 +496,7 @@ def main() -> None:
         _muon_experts(args)
         return
     plans = _preset_plans(["llama3-8b", "qwen3-30b-a3b", "gpt-oss-120b"], [8, 64, 256])
+    hsdp = _hsdp_plans(["gpt-oss-120b", "deepseek-v3-671b"], [(8, 128)])
     if args.plans_only:
         return
     one_process = _one_process_adamw(args)
@@ -476,6 +525,7 @@ def main() -> None:
             {
                 "steps": results,
                 "preset_plans": plans,
+                "hsdp_plans": hsdp,
                 "adamw_one_process": one_process,
                 "muon_experts": experts,
             },
