@@ -98,6 +98,7 @@ class RedundantMuon:
         from torch.distributed.tensor import DTensor
 
         from ragged_optimizers._layout import layout_of
+        from ragged_optimizers._muon_exchange import Item, Unit
 
         with torch.no_grad():
             for group in self.opt.param_groups:
@@ -115,7 +116,8 @@ class RedundantMuon:
                         stride=p.stride(),
                     ).full_tensor()
                     layout = layout_of(p)
-                    o = self.opt._orthogonalize(full.reshape(-1), layout, group)
+                    unit = Unit([Item(p, "", layout, torch.empty(0), group)])
+                    (o,) = self.opt._orthogonalize_unit(unit, [full.reshape(-1)])
                     lo, hi = layout.local_range
                     self.opt._apply(p, layout, o[lo:hi], group)
 

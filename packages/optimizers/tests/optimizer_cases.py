@@ -457,3 +457,30 @@ def check_muon_hsdp(replica_owners: bool, shapes: dict[str, tuple[int, ...]],
             assert torch.equal(dist_params[n].full_tensor(), ref[n].detach()), (n, step)
     piece = next(iter(dist_params.values())).to_local().numel()
     return {"flops": sum(flops) // 3, "gathered_bytes": gathered // 3, "piece": piece}
+
+
+TP_MANY = {  # 8 column- and 8 row-parallel matrices, one matrix per batch
+    **{f"col{i}": ((48, 40), Shard(0)) for i in range(8)},
+    **{f"row{i}": ((24, 40), Shard(1)) for i in range(8)},
+}
+
+
+def check_muon_tp_flops(tp_owners: bool) -> int:
+    """This rank's Newton-Schulz FLOPs of one step on TP_MANY at (dp, tp) = (2, 2) (a
+    tp-Replicate matrix would still be orthogonalized on every tp rank)."""
+    specs = TP_MANY
+    _, _, params = _tp_params(specs, 1, seed=7)
+    opt = Muon(list(params.items()), lr=0.02, tp_owners=tp_owners, ns_batch_numel=1)
+    grads = _full_tensors({n: shape for n, (shape, _) in specs.items()}, 300)
+    for name, grad in grads.items():
+        params[name].grad = distribute_tensor(
+            grad, params[name].device_mesh, params[name].placements
+        )
+    flops: list[int] = []
+    muon, original, counting = _counting_ns(flops)
+    muon.newton_schulz = counting  # type: ignore[assignment]
+    try:
+        opt.step()
+    finally:
+        muon.newton_schulz = original
+    return sum(flops)

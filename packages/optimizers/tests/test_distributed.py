@@ -72,3 +72,12 @@ def test_hsdp_orthogonalizes_each_matrix_once_in_the_mesh(pools, ns_batch_numel)
 def test_hsdp_muon_matches_single_process_bitwise(pools) -> None:
     # Uneven, one-row, stacked and batched matrices (MUON_SHAPES) on the (2, 2) mesh.
     pools[4].run(cases.check_muon_hsdp, True, cases.MUON_SHAPES, 2**22)
+
+
+def test_tensor_parallel_matrices_are_orthogonalized_on_one_tp_rank(pools) -> None:
+    """(dp, tp) = (2, 2): each matrix once per dp owner, not once per tp rank."""
+    once = pools[4].run(cases.check_muon_tp_flops, True)
+    every = pools[4].run(cases.check_muon_tp_flops, False)
+    assert sum(once) * 2 == sum(every)  # tp = 2 copies of the work before
+    assert max(once) <= 0.55 * max(every), (once, every)
+    print(f"busiest rank's Newton-Schulz FLOPs: {max(once) / max(every):.3f} of every tp rank's")

@@ -104,6 +104,20 @@ class ParamLayout:
         )
         return spread.full_tensor().view(len(blocks), -1)
 
+    def tensor_parallel(self) -> tuple[int, int] | None:
+        """(mesh axis, tensor dim) of the one other axis that splits the tensor, if one does.
+
+        None without tensor parallelism, or when several axes split it.
+        """
+        if self.mesh is None or self.global_shape is None:
+            return None
+        split = [
+            (axis, p.dim % len(self.shape))
+            for axis, p in enumerate(self.placements)
+            if axis != self.axis and isinstance(p, Shard) and self.mesh.size(axis) > 1
+        ]
+        return split[0] if len(split) == 1 else None
+
     def take_blocks(self, fulls: torch.Tensor) -> torch.Tensor:
         """This rank's flat blocks, (count, numel), of whole flat tensors (count, full_numel).
 

@@ -50,6 +50,7 @@ from ragged_optimizers._muon_replicas import (
 from ragged_optimizers._newton_schulz import newton_schulz, resolve_coefficients
 from ragged_optimizers._owner_plan import MatrixAssignment, ns_flops
 from ragged_optimizers._step import StepOptimizer
+from ragged_optimizers._tensor_parallel import orthogonalize_on_one_rank
 
 ADJUST_LR = ("original", "match_rms_adamw")
 
@@ -106,6 +107,9 @@ class Muon(StepOptimizer):
             ranks and one all-gather over the replicate axis brings each rank the updates
             the other replicas computed (bfloat16, (R - 1) / R of its pieces). False: every
             replica orthogonalizes every matrix (no bytes over the replicate axis).
+        tp_owners: Under tensor parallelism, one tp rank (in turn) orthogonalizes each
+            matrix and scatters its blocks, instead of every tp rank gathering and
+            orthogonalizing it.
         ns_batch_numel: Same-shape 2-D matrices of a group (in parameter order) are
             orthogonalized together, as one batched Newton-Schulz, while the batch holds at
             most this many elements: many small matrices (an MoE's experts) cost one launch
@@ -144,7 +148,12 @@ class Muon(StepOptimizer):
         bucket_bytes: int = 32 * 2**20,
         ns_batch_numel: int = 2**22,
         replica_owners: bool = True,
+        tp_owners: bool = True,
     ) -> None:
+        if not isinstance(tp_owners, bool):
+            raise TypeError(f"tp_owners must be a bool, got {tp_owners!r}")
+        self._tp_owners = tp_owners
+        self._tp_turn = 0  # which tp rank orthogonalizes the next tensor-parallel unit
         if not isinstance(replica_owners, bool):
             raise TypeError(f"replica_owners must be a bool, got {replica_owners!r}")
         self._replica_owners = replica_owners
@@ -347,27 +356,31 @@ class Muon(StepOptimizer):
         item = Item(param, "", self._layout(param, ""), torch.empty(0), group)
         return self._momenta([item])[0]
 
-    def _orthogonalize(
-        self, update: torch.Tensor, layout: ParamLayout, group: dict[str, Any]
-    ) -> torch.Tensor:
-        coefficients, norm_scale = resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
-        # Under tensor parallelism `update` is this rank's block: every rank holding a block
-        # of the matrix gathers the whole, orthogonalizes it and keeps its block.
-        matrix = layout.gather_blocks([update])[0].view(matrix_shape(layout.full_shape))
-        out = newton_schulz(matrix, coefficients, eps=group["eps"], norm_scale=norm_scale)
-        return layout.take_blocks(out.reshape(1, -1))[0]
-
     def _orthogonalize_unit(self, unit: Unit, fulls: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The flat orthogonalized update of each of a unit's matrices (full, flat inputs)."""
-        if len(fulls) == 1:
-            return [self._orthogonalize(fulls[0], unit.layout, unit.group)]
+        """The flat orthogonalized update of each of a unit's matrices (full, flat inputs).
+
+        Under tensor parallelism `fulls` are this rank's blocks: with `tp_owners` one tp rank
+        (in turn, unit by unit) gathers the whole matrices, orthogonalizes them and scatters
+        the blocks (`_tensor_parallel.py`); otherwise every tp rank gathers and computes.
+        """
         coefficients, norm_scale = resolve_coefficients(
             unit.group["ns_coefficients"], unit.group["ns_steps"]
         )
         layout = unit.layout
-        stack = layout.gather_blocks(fulls).view(unit.shape)  # one collective for the unit
-        out = newton_schulz(stack, coefficients, eps=unit.group["eps"], norm_scale=norm_scale)
-        return list(layout.take_blocks(out.reshape(len(fulls), -1)).unbind())
+
+        def orthogonalize(stack: torch.Tensor) -> torch.Tensor:
+            shape = unit.shape if len(fulls) > 1 else matrix_shape(layout.full_shape)
+            out = newton_schulz(
+                stack.view(shape), coefficients, eps=unit.group["eps"], norm_scale=norm_scale
+            )
+            return out.reshape(len(fulls), -1)
+
+        split = layout.tensor_parallel() if self._tp_owners else None
+        if split is not None:
+            self._tp_turn += 1
+            return orthogonalize_on_one_rank(layout, split, fulls, orthogonalize, self._tp_turn)
+        stack = layout.gather_blocks(fulls)  # one collective for the unit
+        return list(layout.take_blocks(orthogonalize(stack)).unbind())
 
     def _apply(
         self, param: torch.Tensor, layout: ParamLayout, update: torch.Tensor, group: dict[str, Any]
