@@ -227,22 +227,29 @@ def _rank(rank: int, world: int, init: str, args: argparse.Namespace, out: Any) 
     os._exit(0)  # gloo teardown can abort spuriously at interpreter exit
 
 
+def _hidden_matrices(preset: str) -> tuple[list[str], list[tuple[int, ...]]]:
+    """A preset's Muon matrices (2-D and stacks, embeddings and head left out): names, shapes."""
+    import shard_planner
+
+    entries = [
+        e
+        for g in shard_planner.load_preset(preset).groups
+        for e in g.entries
+        if e.shape is not None
+        and len(e.shape) in (2, 3)
+        and not any(k in e.name for k in ("embed", "lm_head"))
+    ]
+    return [e.name for e in entries], [tuple(e.shape) for e in entries]
+
+
 def _preset_plans(presets: list[str], worlds: list[int]) -> list[dict[str, Any]]:
     """LPT against round robin from shapes alone, on real models' hidden matrices."""
-    import shard_planner
     from ragged_optimizers import makespan, plan_owners
     from ragged_placement._placement import chunk_range
 
     rows = []
     for preset in presets:
-        entries = [
-            e
-            for g in shard_planner.load_preset(preset).groups
-            for e in g.entries
-            if len(e.shape) in (2, 3) and not any(k in e.name for k in ("embed", "lm_head"))
-        ]
-        names = [e.name for e in entries]
-        shapes = [tuple(e.shape) for e in entries]
+        names, shapes = _hidden_matrices(preset)
         for world in worlds:
             pieces = [
                 [
@@ -282,20 +289,12 @@ def _hsdp_plans(presets: list[str], meshes: list[tuple[int, int]]) -> list[dict[
     it. The bound is max(largest matrix, total / (R x W)); each replica doing all of its
     matrices instead would take total / W at best.
     """
-    import shard_planner
     from ragged_optimizers import makespan, plan_owners
     from ragged_placement._placement import chunk_range
 
     rows = []
     for preset in presets:
-        entries = [
-            e
-            for g in shard_planner.load_preset(preset).groups
-            for e in g.entries
-            if len(e.shape) in (2, 3) and not any(k in e.name for k in ("embed", "lm_head"))
-        ]
-        names = [e.name for e in entries]
-        shapes = [tuple(e.shape) for e in entries]
+        names, shapes = _hidden_matrices(preset)
         for replicas, world in meshes:
             slots = replicas * world
             pieces = [
