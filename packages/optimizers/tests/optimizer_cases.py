@@ -370,9 +370,14 @@ def _tp_params(
     return mesh, {n: t * 0.1 for n, t in full.items()}, params
 
 
-def check_tensor_parallel(optimizer: str) -> None:
-    """Muon and AdamW8bit on (RaggedShard, Shard(d)) parameters: bitwise one process's."""
+def check_tensor_parallel(optimizer: str, reverse: bool = False) -> None:
+    """Muon and AdamW8bit on (RaggedShard, Shard(d)) parameters: bitwise one process's.
+
+    `reverse`: the parameters in reverse order (Muon: the tp-Replicate matrix first, whose
+    mesh alone would look like HSDP's)."""
     specs = TP_MUON if optimizer == "muon" else TP_ADAM
+    if reverse:
+        specs = dict(reversed(list(specs.items())))
     mesh, full, params = _tp_params(specs, 1 if optimizer == "muon" else 32, seed=7)
     ref = {n: torch.nn.Parameter(t.clone()) for n, t in full.items()}
     if optimizer == "muon":

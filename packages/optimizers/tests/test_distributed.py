@@ -74,6 +74,11 @@ def test_hsdp_muon_matches_single_process_bitwise(pools) -> None:
     pools[4].run(cases.check_muon_hsdp, True, cases.MUON_SHAPES, 2**22)
 
 
+def test_tp_group_with_a_replicated_matrix_first_keeps_tp_blocks_apart(pools) -> None:
+    # A (dp, tp) group whose first matrix is Replicate over tp: not HSDP's replicas.
+    pools[4].run(cases.check_tensor_parallel, "muon", True)
+
+
 def test_tensor_parallel_matrices_are_orthogonalized_on_one_tp_rank(pools) -> None:
     """(dp, tp) = (2, 2): each matrix once per dp owner, not once per tp rank."""
     once = pools[4].run(cases.check_muon_tp_flops, True)

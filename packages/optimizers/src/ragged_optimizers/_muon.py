@@ -43,8 +43,8 @@ from ragged_optimizers._muon_exchange import (
 )
 from ragged_optimizers._muon_replicas import (
     Replicas,
+    common_replicas,
     plan_over_replicas,
-    replicas_of,
     share_updates,
 )
 from ragged_optimizers._newton_schulz import newton_schulz, resolve_coefficients
@@ -265,7 +265,7 @@ class Muon(StepOptimizer):
         owners: dict[int, tuple[int, int]] = {}  # item -> (slot, owner on the shard axis)
         for members in by_process_group(sharded):
             world = members[0].layout.num_ranks
-            replicas = replicas_of(members[0].layout) if self._replica_owners else None
+            replicas = self._replicas(members)
             if replicas is None:
                 units = plan_units(make_units(members, self._ns_batch_numel, world), ns_steps)
                 slots = [unit.owner for unit in units]
@@ -310,7 +310,7 @@ class Muon(StepOptimizer):
             for members in by_process_group(agree(sharded)):
                 for item, update in zip(members, self._momenta(members), strict=True):
                     item.update = update.to(COMM_DTYPE)
-                replicas = replicas_of(members[0].layout) if self._replica_owners else None
+                replicas = self._replicas(members)
                 if replicas is not None:
                     self._exchange_over_replicas(members, replicas)
                     continue
@@ -429,6 +429,12 @@ class Muon(StepOptimizer):
                     if apply:
                         self._apply_unit(unit, pieces)
         return done
+
+    def _replicas(self, members: list[Item]) -> Replicas | None:
+        """The replicate axis to plan owners over (HSDP), None for the per-replica exchange."""
+        if not self._replica_owners:
+            return None
+        return common_replicas([item.layout for item in members])
 
     def _exchange_over_replicas(self, members: list[Item], replicas: Replicas) -> None:
         """`_exchange` with owners over replicate x shard ranks (`_muon_replicas.py`)."""

@@ -52,6 +52,20 @@ def replicas_of(layout: ParamLayout) -> Replicas | None:
     return Replicas(mesh.get_group(axis), mesh.get_local_rank(axis), mesh.size(axis))
 
 
+def common_replicas(layouts: list[ParamLayout]) -> Replicas | None:
+    """The replicate axis every one of these layouts has (the same group), else None.
+
+    A shard group whose matrices mix replicated and tensor-parallel placements (a (dp, tp)
+    mesh with some matrices Replicate over tp) keeps the per-replica exchange: tp ranks hold
+    different blocks of the others.
+    """
+    found = [replicas_of(layout) for layout in layouts]
+    first = found[0] if found else None
+    if first is None or any(r is None or r.group is not first.group for r in found):
+        return None
+    return first
+
+
 def plan_over_replicas(
     units: list[Unit], num_replicas: int, ns_steps: int
 ) -> tuple[list[int], tuple[MatrixAssignment, ...]]:
