@@ -55,6 +55,9 @@ COPIES_EXPLAINED = {
     "gathered buffer out into each parameter (W x the shard's bytes)",
     "fsdp::chunk_cat in FSDP::post_backward_reduce": "FSDP2: the gradients into the "
     "reduce-scatter input, one kernel per group",
+    # torch 2.15 renamed the op (it also casts gradients of another dtype on the way).
+    "fsdp::chunk_cat_mixed_dtype in FSDP::post_backward_reduce": "FSDP2: the gradients into "
+    "the reduce-scatter input, one kernel per group",
     "aten::copy_ in FSDP::post_backward_reduce": "FSDP2 on gloo: the reduced shard into the "
     "sharded gradient",
 }
