@@ -110,11 +110,12 @@ def share_updates(
     width = max(sizes)
     own = [p for u, r in zip(units, replica_of, strict=True) if r == replicas.rank
            for p in mine[id(u)]]  # fmt: skip
-    send = torch.zeros(width, dtype=COMM_DTYPE)
+    device = units[0].items[0].param.device  # NCCL: the collective's tensors on the GPU
+    send = torch.zeros(width, dtype=COMM_DTYPE, device=device)
     if own:
         joined = torch.cat(own)
         send[: joined.numel()].copy_(joined)
-    gathered = torch.empty(width * replicas.size, dtype=COMM_DTYPE)
+    gathered = torch.empty(width * replicas.size, dtype=COMM_DTYPE, device=device)
     dist.all_gather_into_tensor(gathered, send, group=replicas.group)
     offsets = [replica * width for replica in range(replicas.size)]
     out: dict[int, list[torch.Tensor]] = {}
