@@ -404,8 +404,8 @@ def _more_ranks(
             f"next lever: more ranks do not help: the gathered groups, reduce-scatter input "
             f"and activations alone take {transient / 2**30:.1f} GiB per rank at any shard size"
         )
-    factor = 1
-    while state * least.shard_size / (least.shard_size * factor) > memory - transient:
+    factor = 1  # the state per rank halves with each doubling of the shard count
+    while state / factor > memory - transient:
         factor *= 2
     ranks = args.ranks * max(factor, 2)
     if ranks > MAX_WORLD_SIZE:
