@@ -32,6 +32,7 @@ ROWS: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
 )
 
 
+_CHUNK_CAT = "FSDP2: the gradients into the reduce-scatter input, one kernel per group"
 # What each copy kernel the profiler finds inside an engine's ranges is, by op and stage.
 COPIES_EXPLAINED = {
     "aten::copy_ in FSDP::unshard": "gloo only: the rank's shard into its own chunk of the "
@@ -53,11 +54,9 @@ COPIES_EXPLAINED = {
     "shard into one all-gather input",
     "fsdp::split_with_sizes_copy in FSDP::all_gather_copy_out": "FSDP2's copy-out: the "
     "gathered buffer out into each parameter (W x the shard's bytes)",
-    "fsdp::chunk_cat in FSDP::post_backward_reduce": "FSDP2: the gradients into the "
-    "reduce-scatter input, one kernel per group",
+    "fsdp::chunk_cat in FSDP::post_backward_reduce": _CHUNK_CAT,
     # torch 2.15 renamed the op (it also casts gradients of another dtype on the way).
-    "fsdp::chunk_cat_mixed_dtype in FSDP::post_backward_reduce": "FSDP2: the gradients into "
-    "the reduce-scatter input, one kernel per group",
+    "fsdp::chunk_cat_mixed_dtype in FSDP::post_backward_reduce": _CHUNK_CAT,
     "aten::copy_ in FSDP::post_backward_reduce": "FSDP2 on gloo: the reduced shard into the "
     "sharded gradient",
 }
