@@ -223,7 +223,7 @@ COMPAT_EXPORTS = {
         "set_fully_shard_state", "torch_fsdp_methods",
     ],
     "ragged_optimizers._compat": [
-        "compile_options", "foreach_add_", "foreach_lerp", "foreach_lerp_", "foreach_mul_",
+        "all_gather_single", "compile_options", "foreach_add_", "foreach_lerp", "foreach_lerp_", "foreach_mul_",
         "mark_dims_dynamic",
     ],
 }  # fmt: skip

@@ -426,10 +426,15 @@ def _counting_ns(flops: list[int]) -> Any:
     return muon, original, counting
 
 
-def check_muon_hsdp(replica_owners: bool, shapes: dict[str, tuple[int, ...]],
-                    ns_batch_numel: int) -> dict[str, Any]:  # fmt: skip
+def check_muon_hsdp(
+    replica_owners: bool | str,
+    shapes: dict[str, tuple[int, ...]],
+    ns_batch_numel: int,
+    flops_per_byte: float = 4096.0,
+) -> dict[str, Any]:
     """Muon on a (2, 2) (replicate, shard) mesh against one process: bitwise after 3 steps;
-    returns this rank's Newton-Schulz FLOPs and the bytes sent over the replicate axis."""
+    returns this rank's Newton-Schulz FLOPs (counted, and as `owner_plan()` plans them: slot
+    = this rank), the bytes sent over the replicate axis and each matrix's copies."""
     mesh = init_device_mesh("cpu", (2, 2))
     full = _full_tensors(shapes, 0)
     ref = {n: torch.nn.Parameter(t.clone()) for n, t in full.items()}
@@ -441,7 +446,12 @@ def check_muon_hsdp(replica_owners: bool, shapes: dict[str, tuple[int, ...]],
     }
     kwargs = {"lr": 0.02, "weight_decay": 0.1, "ns_batch_numel": ns_batch_numel}
     ref_opt = Muon(list(ref.items()), **kwargs)
-    opt = Muon(list(dist_params.items()), replica_owners=replica_owners, **kwargs)
+    opt = Muon(
+        list(dist_params.items()),
+        replica_owners=replica_owners,
+        replica_flops_per_byte=flops_per_byte,
+        **kwargs,
+    )
     flops: list[int] = []
     muon, original, counting = _counting_ns(flops)
     gathered = 0
@@ -461,7 +471,14 @@ def check_muon_hsdp(replica_owners: bool, shapes: dict[str, tuple[int, ...]],
         for n in shapes:
             assert torch.equal(dist_params[n].full_tensor(), ref[n].detach()), (n, step)
     piece = next(iter(dist_params.values())).to_local().numel()
-    return {"flops": sum(flops) // 3, "gathered_bytes": gathered // 3, "piece": piece}
+    plan = opt.owner_plan()
+    return {
+        "flops": sum(flops) // 3,
+        "planned": plan.loads[dist.get_rank()],
+        "copies": {a.name: a.num_copies for a in plan},
+        "gathered_bytes": gathered // 3,
+        "piece": piece,
+    }
 
 
 TP_MANY = {  # 8 column- and 8 row-parallel matrices, one matrix per batch

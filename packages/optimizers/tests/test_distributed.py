@@ -61,12 +61,41 @@ def test_hsdp_orthogonalizes_each_matrix_once_in_the_mesh(pools, ns_batch_numel)
     # Per replica (the switch off): each replica orthogonalizes all 8 over its 2 ranks.
     assert max(r["flops"] for r in twice) / unique == 0.5
     assert sum(r["flops"] for r in twice) == 2 * unique
+    for run in (once, twice):  # owner_plan() plans what runs
+        assert [r["flops"] for r in run] == [r["planned"] for r in run], run
     # The price: over the replicate axis each rank sends the other replica its pieces of
     # its own replica's updates, in bfloat16: 4 of the 8 matrices (shard rank 0 of these
     # ragged rows holds fewer of them than rank 1).
     assert all(r["gathered_bytes"] == 4 * r["piece"] * 2 for r in once), once
     assert sum(r["gathered_bytes"] for r in once) == 2 * 4 * 64 * 64 * 2
     assert all(r["gathered_bytes"] == 0 for r in twice), twice
+
+
+MIXED_MATRICES = {
+    **{f"big{i}": (64, 64) for i in range(4)},  # 960 Newton-Schulz FLOPs per update byte
+    **{f"small{i}": (16, 16) for i in range(4)},  # 240
+}
+
+
+def test_hsdp_prices_each_matrix_once_in_the_mesh_or_per_replica(pools) -> None:
+    """"auto": shared when a matrix's FLOPs per update byte reach the price, else per replica."""
+    from ragged_optimizers import ns_flops
+
+    big, small = ns_flops((64, 64), 5), ns_flops((16, 16), 5)
+    priced = pools[4].run(cases.check_muon_hsdp, "auto", MIXED_MATRICES, 1, 500.0)
+    copies = priced[0]["copies"]
+    assert copies == {n: 1 if n.startswith("big") else 2 for n in MIXED_MATRICES}, copies
+    assert sum(r["flops"] for r in priced) == 4 * big + 2 * 4 * small  # smalls in each replica
+    assert [r["flops"] for r in priced] == [r["planned"] for r in priced]  # the plan, as run
+    assert max(r["flops"] for r in priced) == big + 2 * small  # one big, half the smalls
+    pieces = [r["piece"] for r in priced]  # shard rank 0 holds fewer ragged rows than 1
+    # Over the replicate axis: each rank's pieces of the other replica's 2 big matrices only.
+    assert [r["gathered_bytes"] for r in priced] == [2 * p * 2 for p in pieces], priced
+    # The default price (4096: a GPU cluster's) keeps these small matrices in each replica.
+    default = pools[4].run(cases.check_muon_hsdp, "auto", MIXED_MATRICES, 1)
+    assert set(default[0]["copies"].values()) == {2}
+    assert all(r["gathered_bytes"] == 0 for r in default)
+    assert [r["flops"] for r in default] == [r["planned"] for r in default]
 
 
 def test_hsdp_muon_matches_single_process_bitwise(pools) -> None:

@@ -18,7 +18,13 @@ from ragged_optimizers._flat_adamw import AdamW
 from ragged_optimizers._muon import Muon
 from ragged_optimizers._muon_exchange import matrix_shape
 from ragged_optimizers._newton_schulz import newton_schulz, resolve_coefficients
-from ragged_optimizers._owner_plan import MatrixAssignment, makespan, ns_flops, plan_owners
+from ragged_optimizers._owner_plan import (
+    MatrixAssignment,
+    OwnerPlan,
+    makespan,
+    ns_flops,
+    plan_owners,
+)
 from ragged_optimizers._quantize import dequantize, dynamic_map, quantize
 
 __version__ = "0.1.0"
@@ -28,6 +34,7 @@ __all__ = [
     "AdamW8bit",
     "MatrixAssignment",
     "Muon",
+    "OwnerPlan",
     "__version__",
     "dequantize",
     "dynamic_map",

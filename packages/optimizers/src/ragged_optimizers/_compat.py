@@ -11,6 +11,8 @@
 - `foreach_add_`, `foreach_lerp`, `foreach_lerp_`, `foreach_mul_`: torch's multi-tensor
   ops (`torch._foreach_*`, what torch.optim's foreach paths run), underscored in torch
   though stable across the supported versions.
+- `all_gather_single`: torch.distributed's name since 2.13 (the old one warns there); before,
+  the same collective is `all_gather_into_tensor` (chosen once, by which name exists).
 Tested on the torch versions `ragged_placement.SUPPORTED_TORCH` names.
 """
 
@@ -20,8 +22,10 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 __all__ = [
+    "all_gather_single",
     "compile_options",
     "foreach_add_",
     "foreach_lerp",
@@ -30,6 +34,7 @@ __all__ = [
     "mark_dims_dynamic",
 ]
 
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 foreach_add_ = torch._foreach_add_
 foreach_lerp = torch._foreach_lerp
 foreach_lerp_ = torch._foreach_lerp_

@@ -48,7 +48,7 @@ from ragged_optimizers._muon_replicas import (
     share_updates,
 )
 from ragged_optimizers._newton_schulz import newton_schulz, resolve_coefficients
-from ragged_optimizers._owner_plan import MatrixAssignment, ns_flops
+from ragged_optimizers._owner_plan import MatrixAssignment, OwnerPlan, ns_flops
 from ragged_optimizers._step import StepOptimizer
 from ragged_optimizers._tensor_parallel import orthogonalize_on_one_rank
 
@@ -102,11 +102,18 @@ class Muon(StepOptimizer):
         adamw_weight_decay: AdamW groups' decoupled weight decay.
         bucket_bytes: Matrices travel in buckets of about this many bfloat16 bytes, one
             all-to-all each way per bucket; owners start on a bucket as soon as it arrives.
-        replica_owners: Under HSDP (a replicate axis beside the shard axis), orthogonalize
-            each matrix once in the whole mesh: owners are planned over replicate x shard
-            ranks and one all-gather over the replicate axis brings each rank the updates
-            the other replicas computed (bfloat16, (R - 1) / R of its pieces). False: every
-            replica orthogonalizes every matrix (no bytes over the replicate axis).
+        replica_owners: Under HSDP (a replicate axis beside the shard axis), True
+            orthogonalizes each matrix once in the whole mesh: owners are planned over
+            replicate x shard ranks and one all-gather over the replicate axis brings each
+            rank the updates the other replicas computed (bfloat16, (R - 1) / R of its
+            pieces). False: every replica orthogonalizes every matrix (no bytes over the
+            replicate axis). "auto": priced per matrix (or batch): once in the mesh when its
+            Newton-Schulz FLOPs are at least `replica_flops_per_byte` x the bytes of its
+            update, else in every replica.
+        replica_flops_per_byte: The compute rate of Newton-Schulz over the replicate axis'
+            bandwidth per rank, for "auto": 4096 is about 200 TFLOP/s of bfloat16 matmuls
+            on mid-size matrices against 50 GB/s per GPU between nodes, which shares
+            square matrices from about 280 rows up.
         tp_owners: Under tensor parallelism, one tp rank (in turn) orthogonalizes each
             matrix and scatters its blocks, instead of every tp rank gathering and
             orthogonalizing it.
@@ -147,16 +154,30 @@ class Muon(StepOptimizer):
         adamw_weight_decay: float = 0.0,
         bucket_bytes: int = 32 * 2**20,
         ns_batch_numel: int = 2**22,
-        replica_owners: bool = True,
+        replica_owners: bool | str = "auto",
+        replica_flops_per_byte: float = 4096.0,
         tp_owners: bool = True,
     ) -> None:
         if not isinstance(tp_owners, bool):
             raise TypeError(f"tp_owners must be a bool, got {tp_owners!r}")
         self._tp_owners = tp_owners
         self._tp_turn = 0  # which tp rank orthogonalizes the next tensor-parallel unit
-        if not isinstance(replica_owners, bool):
-            raise TypeError(f"replica_owners must be a bool, got {replica_owners!r}")
+        if not isinstance(replica_owners, bool) and replica_owners != "auto":
+            raise ValueError(
+                f"replica_owners must be True, False or 'auto', got {replica_owners!r}"
+            )
+        rate: object = replica_flops_per_byte  # user input: check what came
+        if (
+            isinstance(rate, bool)
+            or not isinstance(rate, (int, float))
+            or not (0 <= replica_flops_per_byte < math.inf)
+        ):
+            raise ValueError(
+                f"replica_flops_per_byte must be a finite number >= 0, got "
+                f"{replica_flops_per_byte!r}"
+            )
         self._replica_owners = replica_owners
+        self._replica_flops_per_byte = float(replica_flops_per_byte)
         for key, value in (("bucket_bytes", bucket_bytes), ("ns_batch_numel", ns_batch_numel)):
             given: object = value  # user input: check what came
             if isinstance(given, bool) or not isinstance(given, int) or given < 1:
@@ -243,47 +264,55 @@ class Muon(StepOptimizer):
                         out.append(Item(param, name, layout, torch.empty(0), group))
         return out
 
-    def owner_plan(self) -> tuple[MatrixAssignment, ...]:
+    def owner_plan(self) -> OwnerPlan:
         """The owner of every sharded Muon matrix, its FLOPs and the elements moved per step.
 
         Computed from shapes and placements alone, so every rank returns the same plan.
-        Matrices batched together (see `ns_batch_numel`) share an owner. Under HSDP with
-        `replica_owners`, an owner is a slot of the replicate x shard ranks: replica
-        owner // W, shard rank owner % W. Elements travel in
-        bfloat16 (2 bytes each way). Matrices that are not sharded (plain tensors, replicated
-        DTensors, one-rank meshes) are not listed: every rank updates them.
+        Matrices batched together (see `ns_batch_numel`) share an owner. Under HSDP the slots
+        are the replicate x shard ranks: replica slot // W, shard rank slot % W; a matrix
+        every replica orthogonalizes (see `replica_owners`) has `num_copies` R. Elements
+        travel in bfloat16 (2 bytes each way). Matrices that are not sharded (plain
+        tensors, replicated DTensors, one-rank meshes) are not listed: every rank updates
+        them. Printed, the plan states its makespan against the lower bound.
 
         Returns:
-            One MatrixAssignment per sharded matrix, in parameter order.
+            An OwnerPlan: one MatrixAssignment per sharded matrix, in parameter order.
 
         Example:
-            >>> Muon([torch.nn.Parameter(torch.zeros(4, 4))]).owner_plan()  # one process
-            ()
+            >>> print(Muon([torch.nn.Parameter(torch.zeros(4, 4))]).owner_plan())  # one process
+            OwnerPlan: no sharded matrix
         """
         sharded = self._sharded()
         ns_steps = max((g["ns_steps"] for g in self.param_groups), default=5)
-        owners: dict[int, tuple[int, int]] = {}  # item -> (slot, owner on the shard axis)
+        owners: dict[int, tuple[int, int, int]] = {}  # item -> (slot, shard owner, copies)
+        num_slots = 0
         for members in by_process_group(sharded):
             world = members[0].layout.num_ranks
+            mesh_replicas = common_replicas([item.layout for item in members])
+            num_replicas = 1 if mesh_replicas is None else mesh_replicas.size
+            num_slots = max(num_slots, world * num_replicas)
             replicas = self._replicas(members)
-            if replicas is None:
+            if replicas is None:  # each replica does every unit, as in `_step`
                 units = plan_units(make_units(members, self._ns_batch_numel, world), ns_steps)
-                slots = [unit.owner for unit in units]
+                replica_of: list[int | None] = [None] * len(units)
             else:
-                units = make_units(members, self._ns_batch_numel, world * replicas.size)
-                replica_of, _ = plan_over_replicas(units, replicas.size, ns_steps)
-                slots = [r * world + unit.owner for unit, r in zip(units, replica_of, strict=True)]
-            for unit, slot in zip(units, slots, strict=True):
-                owners.update((id(item), (slot, unit.owner)) for item in unit.items)
+                units = make_units(members, self._ns_batch_numel, world * num_replicas)
+                replica_of = plan_over_replicas(units, num_replicas, ns_steps, self._price())
+            for unit, replica in zip(units, replica_of, strict=True):
+                if replica is None:
+                    where = (unit.owner, unit.owner, num_replicas)
+                else:
+                    where = (replica * world + unit.owner, unit.owner, 1)
+                owners.update((id(item), where) for item in unit.items)
         out = []
         for index, item in enumerate(sharded):
             shape = matrix_shape(item.layout.full_shape)
             pieces = [hi - lo for lo, hi in item.layout.ranges]
-            owner, on_axis = owners[id(item)]
+            slot, on_axis, copies = owners[id(item)]
             moved = sum(pieces) - pieces[on_axis]
             flops = ns_flops(shape, ns_steps)
-            out.append(MatrixAssignment(index, item.name, shape, owner, flops, moved, moved))
-        return tuple(out)
+            out.append(MatrixAssignment(index, item.name, shape, slot, flops, moved, moved, copies))
+        return OwnerPlan(tuple(out), num_slots)
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -432,21 +461,32 @@ class Muon(StepOptimizer):
 
     def _replicas(self, members: list[Item]) -> Replicas | None:
         """The replicate axis to plan owners over (HSDP), None for the per-replica exchange."""
-        if not self._replica_owners:
+        if self._replica_owners is False:
             return None
         return common_replicas([item.layout for item in members])
 
+    def _price(self) -> float | None:
+        """`worth_sharing`'s FLOPs per byte; None shares every unit (`replica_owners=True`)."""
+        return self._replica_flops_per_byte if self._replica_owners == "auto" else None
+
     def _exchange_over_replicas(self, members: list[Item], replicas: Replicas) -> None:
-        """`_exchange` with owners over replicate x shard ranks (`_muon_replicas.py`)."""
+        """`_exchange` with owners over replicate x shard ranks (`_muon_replicas.py`).
+
+        This replica computes its own units and those every replica computes; one
+        all-gather over the replicate axis brings the other replicas' units.
+        """
         world = members[0].layout.num_ranks
         units = make_units(members, self._ns_batch_numel, world * replicas.size)
         ns_steps = max(unit.group["ns_steps"] for unit in units)
-        replica_of, _ = plan_over_replicas(units, replicas.size, ns_steps)
-        mine = [u for u, r in zip(units, replica_of, strict=True) if r == replicas.rank]
+        replica_of = plan_over_replicas(units, replicas.size, ns_steps, self._price())
+        mine = [u for u, r in zip(units, replica_of, strict=True) if r in (None, replicas.rank)]
         computed = self._exchange(mine, plan=False, apply=False)
-        shared = share_updates(units, replica_of, computed, replicas)
+        once = [(u, r) for u, r in zip(units, replica_of, strict=True) if r is not None]
+        if once:
+            units_once, replicas_once = map(list, zip(*once, strict=True))
+            computed.update(share_updates(units_once, replicas_once, computed, replicas))
         for unit in units:
-            self._apply_unit(unit, shared[id(unit)])
+            self._apply_unit(unit, computed[id(unit)])
 
     def _adamw(self, group: dict[str, Any]) -> None:
         for param in group["params"]:

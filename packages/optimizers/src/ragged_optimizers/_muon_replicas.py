@@ -3,12 +3,15 @@
 Replicas hold the same shards, gradients (all-reduced over them) and momentum, so they would
 run the same Newton-Schulz on the same matrices. Instead the owner plan spans the replicate x
 shard ranks: a unit's owner is one (replica, shard rank) slot, chosen by the same LPT on
-Newton-Schulz FLOPs over R x W slots. Each replica exchanges only its own units within its
-shard group (as without replicas), then one all-gather over the replicate axis gives every
-rank its piece of every unit's update: each rank receives the pieces the other replicas
-computed, (R - 1) / R of its pieces of the updates in bfloat16, padded to the largest
-replica's share. The owner computes the same batch from the same inputs, so the updates are
-bitwise those of each replica computing them.
+Newton-Schulz FLOPs over R x W slots, for every unit whose FLOPs outweigh the bytes its
+update then costs over the replicate axis (`worth_sharing`: a price per unit from its shape
+and one compute-to-link ratio); the cheaper units stay with every replica. Each replica
+exchanges only its own units within its shard group (as without replicas), then one
+all-gather over the replicate axis gives every rank its piece of every shared unit's update:
+each rank receives the pieces the other replicas computed, (R - 1) / R of its pieces of
+those updates in bfloat16, padded to the largest replica's share. The owner computes the
+same batch from the same inputs, so the updates are bitwise those of each replica computing
+them.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.placement_types import Replicate
 
+from ragged_optimizers._compat import all_gather_single
 from ragged_optimizers._layout import ParamLayout
-from ragged_optimizers._muon_exchange import COMM_DTYPE, Unit
-from ragged_optimizers._owner_plan import MatrixAssignment, plan_owners
+from ragged_optimizers._muon_exchange import COMM_DTYPE, Unit, plan_units
+from ragged_optimizers._owner_plan import ns_flops, plan_owners
 
 
 @dataclass(frozen=True)
@@ -66,30 +70,54 @@ def common_replicas(layouts: list[ParamLayout]) -> Replicas | None:
     return first
 
 
-def plan_over_replicas(
-    units: list[Unit], num_replicas: int, ns_steps: int
-) -> tuple[list[int], tuple[MatrixAssignment, ...]]:
-    """Each unit's replica, its owner on the shard axis set; the plan over R x W slots.
+def worth_sharing(unit: Unit, ns_steps: int, flops_per_byte: float | None) -> bool:
+    """Whether orthogonalizing `unit` once in the mesh beats once per replica.
 
-    Slot s is replica s // W, shard rank s % W; a slot holds its shard rank's pieces, so the
-    plan prefers owners that hold much of a matrix, as on one replica.
+    Once saves each replica but one the unit's Newton-Schulz FLOPs and costs each rank of
+    those replicas its piece of the update over the replicate axis (2 bytes per element).
+    Per rank, over R replicas of W ranks: (R - 1) / (R W) x FLOPs saved against
+    (R - 1) / (R W) x 2 x numel bytes, so the choice depends on the unit's FLOPs per byte of
+    update alone: share when it is at least `flops_per_byte` (the compute rate over the
+    replicate axis' bandwidth per rank). None: always share.
+    """
+    if flops_per_byte is None:
+        return True
+    return ns_flops(unit.shape, ns_steps) >= flops_per_byte * 2 * unit.numel
+
+
+def plan_over_replicas(
+    units: list[Unit], num_replicas: int, ns_steps: int, flops_per_byte: float | None = None
+) -> list[int | None]:
+    """Each unit's replica (None: every replica), its owner on the shard axis set.
+
+    Units not `worth_sharing` are planned first over the W shard ranks (each replica does
+    them alike); the others over R x W slots by the same LPT, counting what each slot already
+    has. Slot s is replica s // W, shard rank s % W; a slot holds its shard rank's pieces, so
+    the plan prefers owners that hold much of a matrix, as on one replica.
     """
     if not units:
-        return [], ()
+        return []
     world = units[0].layout.num_ranks
     slots = num_replicas * world
+    shared = [worth_sharing(unit, ns_steps, flops_per_byte) for unit in units]
+    alike = plan_units([u for u, s in zip(units, shared, strict=True) if not s], ns_steps)
+    loads = [0] * world
+    for unit in alike:
+        loads[unit.owner] += ns_flops(unit.shape, ns_steps)
+    once = [u for u, s in zip(units, shared, strict=True) if s]
     plan = plan_owners(
-        [unit.name for unit in units],
-        [unit.shape for unit in units],
-        [[unit.piece(slot % world) for slot in range(slots)] for unit in units],
+        [unit.name for unit in once],
+        [unit.shape for unit in once],
+        [[unit.piece(slot % world) for slot in range(slots)] for unit in once],
         slots,
         ns_steps,
+        initial_loads=[loads[slot % world] for slot in range(slots)],
     )
-    replica_of = []
-    for unit, assignment in zip(units, plan, strict=True):
-        replica, unit.owner = divmod(assignment.owner, world)
-        replica_of.append(replica)
-    return replica_of, plan
+    replica_of: list[int | None] = [None] * len(units)
+    positions = [i for i, share in enumerate(shared) if share]
+    for i, assignment in zip(positions, plan, strict=True):
+        replica_of[i], units[i].owner = divmod(assignment.owner, world)
+    return replica_of
 
 
 def share_updates(
@@ -116,7 +144,7 @@ def share_updates(
         joined = torch.cat(own)
         send[: joined.numel()].copy_(joined)
     gathered = torch.empty(width * replicas.size, dtype=COMM_DTYPE, device=device)
-    dist.all_gather_into_tensor(gathered, send, group=replicas.group)
+    all_gather_single(gathered, send, group=replicas.group)
     offsets = [replica * width for replica in range(replicas.size)]
     out: dict[int, list[torch.Tensor]] = {}
     for unit, replica in zip(units, replica_of, strict=True):

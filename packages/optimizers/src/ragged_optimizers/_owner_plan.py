@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 def ns_flops(shape: Sequence[int], ns_steps: int) -> int:
@@ -41,6 +42,9 @@ class MatrixAssignment:
         flops: Newton-Schulz FLOPs per step.
         elements_in: Elements sent to the owner per step (those it does not hold).
         elements_out: Elements of the update sent back per step (the same count).
+        num_copies: How many replicas orthogonalize it (HSDP): 1 when it is done once in
+            the whole mesh, at slot `owner` (replica owner // W, shard rank owner % W); R
+            when each replica does it, at slots r * W + owner.
     """
 
     index: int
@@ -50,10 +54,23 @@ class MatrixAssignment:
     flops: int
     elements_in: int
     elements_out: int
+    num_copies: int = 1
 
     def __post_init__(self) -> None:
-        if self.owner < 0 or self.flops < 0 or self.elements_in < 0:
+        if self.owner < 0 or self.flops < 0 or self.elements_in < 0 or self.num_copies < 1:
             raise ValueError(f"invalid assignment {self}")
+
+    def slots(self, num_slots: int) -> tuple[int, ...]:
+        """The slots (ranks, or replicate x shard ranks) that orthogonalize this matrix.
+
+        Example:
+            >>> MatrixAssignment(0, "w", (4, 4), 1, 768, 8, 8, num_copies=2).slots(6)
+            (1, 4)
+        """
+        if self.num_copies == 1:
+            return (self.owner,)
+        width = num_slots // self.num_copies
+        return tuple(copy * width + self.owner for copy in range(self.num_copies))
 
 
 def plan_owners(
@@ -62,6 +79,7 @@ def plan_owners(
     pieces: Sequence[Sequence[int]],
     num_ranks: int,
     ns_steps: int,
+    initial_loads: Sequence[int] | None = None,
 ) -> tuple[MatrixAssignment, ...]:
     """Assigns each matrix to one rank by LPT on Newton-Schulz FLOPs.
 
@@ -71,6 +89,8 @@ def plan_owners(
         pieces: Elements each rank holds of each matrix (`num_ranks` entries per matrix).
         num_ranks: Ranks on the shard axis.
         ns_steps: Newton-Schulz steps, for the FLOPs.
+        initial_loads: FLOPs each rank already has to do (default none): the plan evens
+            the totals.
 
     Returns:
         One MatrixAssignment per matrix, in the given order.
@@ -88,9 +108,11 @@ def plan_owners(
     for name, held in zip(names, pieces, strict=True):
         if len(held) != num_ranks:
             raise ValueError(f"{name}: {len(held)} piece sizes for {num_ranks} ranks")
+    loads = [0] * num_ranks if initial_loads is None else list(initial_loads)
+    if len(loads) != num_ranks:
+        raise ValueError(f"initial_loads has {len(loads)} entries for {num_ranks} ranks")
     flops = [ns_flops(shape, ns_steps) for shape in shapes]
     order = sorted(range(len(names)), key=lambda i: (-flops[i], i))
-    loads = [0] * num_ranks
     owners = [0] * len(names)
     for i in order:
         least = min(loads)
@@ -107,6 +129,20 @@ def plan_owners(
     return tuple(out)
 
 
+def slot_loads(plan: Sequence[MatrixAssignment], num_slots: int) -> list[int]:
+    """Newton-Schulz FLOPs per slot (rank, or replicate x shard rank under HSDP).
+
+    Example:
+        >>> slot_loads(plan_owners(["a", "b"], [(4, 4), (4, 4)], [(16, 0), (0, 16)], 2, 1), 2)
+        [384, 384]
+    """
+    loads = [0] * num_slots
+    for a in plan:
+        for slot in a.slots(num_slots):
+            loads[slot] += a.flops
+    return loads
+
+
 def makespan(plan: Sequence[MatrixAssignment], num_ranks: int) -> int:
     """The largest per-rank sum of FLOPs.
 
@@ -114,7 +150,60 @@ def makespan(plan: Sequence[MatrixAssignment], num_ranks: int) -> int:
         >>> makespan(plan_owners(["a", "b"], [(4, 4), (4, 4)], [(16,), (16,)], 1, 1), 1)
         768
     """
-    loads = [0] * num_ranks
-    for a in plan:
-        loads[a.owner] += a.flops
-    return max(loads)
+    return max(slot_loads(plan, num_ranks))
+
+
+@dataclass(frozen=True)
+class OwnerPlan(Sequence[MatrixAssignment]):
+    """A Muon owner plan: one assignment per sharded matrix, and what it adds up to.
+
+    A sequence of MatrixAssignment (index, iterate, len); printed, it states the makespan
+    against its lower bound (the larger of an even share of the work and the largest matrix),
+    the busiest slot and the elements moved.
+
+    Example:
+        >>> plan = OwnerPlan(plan_owners(["a", "b"], [(4, 4), (4, 4)], [(16, 0), (0, 16)], 2, 1), 2)
+        >>> plan.makespan, plan.lower_bound, len(plan)
+        (384, 384, 2)
+    """
+
+    assignments: tuple[MatrixAssignment, ...]
+    num_slots: int
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.assignments[index]
+
+    def __len__(self) -> int:
+        return len(self.assignments)
+
+    @property
+    def loads(self) -> list[int]:
+        """FLOPs per slot."""
+        return slot_loads(self.assignments, self.num_slots) if self.num_slots else []
+
+    @property
+    def makespan(self) -> int:
+        """FLOPs of the busiest slot: what bounds the step's Newton-Schulz time."""
+        return max(self.loads, default=0)
+
+    @property
+    def lower_bound(self) -> int:
+        """No assignment of these matrices to these slots has a smaller makespan."""
+        if not self.assignments:
+            return 0
+        total = sum(a.flops * a.num_copies for a in self.assignments)
+        largest = max(a.flops for a in self.assignments)
+        return max(-(-total // self.num_slots), largest)
+
+    def __str__(self) -> str:
+        if not self.assignments:
+            return "OwnerPlan: no sharded matrix"
+        moved = sum(a.elements_in * a.num_copies for a in self.assignments)
+        total = sum(a.flops * a.num_copies for a in self.assignments)
+        return (
+            f"OwnerPlan: {len(self)} matrices over {self.num_slots} slots, "
+            f"{total / 1e9:.3g} GFLOP of Newton-Schulz per step; makespan "
+            f"{self.makespan / 1e9:.3g} GFLOP = {self.makespan / self.lower_bound:.3f}x the "
+            f"lower bound (busiest slot {self.loads.index(self.makespan)}); "
+            f"{moved:,} elements to owners and back"
+        )
