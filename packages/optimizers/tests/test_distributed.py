@@ -78,7 +78,7 @@ MIXED_MATRICES = {
 
 
 def test_hsdp_prices_each_matrix_once_in_the_mesh_or_per_replica(pools) -> None:
-    """"auto": shared when a matrix's FLOPs per update byte reach the price, else per replica."""
+    """With "auto", a matrix is shared when its FLOPs per update byte reach the price."""
     from ragged_optimizers import ns_flops
 
     big, small = ns_flops((64, 64), 5), ns_flops((16, 16), 5)
