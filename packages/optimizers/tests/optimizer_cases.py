@@ -82,7 +82,7 @@ def check_muon_matches_single_process(kind: str, bucket_bytes: int) -> dict[str,
     plans: list[Any] = [None] * world
     dist.all_gather_object(plans, plan)
     assert all(p == plan for p in plans), "owner plans differ across ranks"
-    assert [a.name for a in plan] == list(MUON_SHAPES) if world > 1 else plan == ()
+    assert [a.name for a in plan] == (list(MUON_SHAPES) if world > 1 else [])
     sent = []
     for step in range(3):
         grads = _full_tensors(MUON_SHAPES, 100 + step)
@@ -115,6 +115,43 @@ def check_muon_matches_single_process(kind: str, bucket_bytes: int) -> dict[str,
     assert sent[0][0] == sent[2][0] == expected_sent, (sent, expected_sent)
     assert sent[0][1] == sent[2][1] == expected_received, (sent, expected_received)
     return {"plan": plan, "sent": sent[0][0]}
+
+
+HEAD_SHAPES = {"wq": (64, 32), "wo": (32, 64), "w1": (48, 32)}  # 4 heads of 16 in wq, wo
+PER_HEAD_GROUPS = [
+    {"names": ["wq"], "num_heads": 4, "heads_dim": 0},
+    {"names": ["wo"], "num_heads": 4, "heads_dim": 1},
+    {"names": ["w1"]},  # the whole matrix
+]
+
+
+def muon_per_head(params: dict[str, torch.nn.Parameter], **kwargs: Any) -> Muon:
+    groups = [
+        {**{k: v for k, v in g.items() if k != "names"}, "params": [params[n] for n in g["names"]]}
+        for g in PER_HEAD_GROUPS
+    ]
+    return Muon(groups, lr=0.02, weight_decay=0.1, **kwargs)
+
+
+def check_muon_per_head(kind: str) -> None:
+    """Per-head Muon on ragged rows (cutting heads) or Shard(0) against one process, bitwise."""
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    full = _full_tensors(HEAD_SHAPES, 0)
+    ref = {n: torch.nn.Parameter(t.clone()) for n, t in full.items()}
+    dist_params = {
+        n: torch.nn.Parameter(distribute_tensor(t, mesh, _placements(n, t.shape, world, kind)))
+        for n, t in full.items()
+    }
+    ref_opt, opt = muon_per_head(ref), muon_per_head(dist_params)
+    for step in range(3):
+        for n, g in _full_tensors(HEAD_SHAPES, 100 + step).items():
+            ref[n].grad = g.clone()
+            dist_params[n].grad = distribute_tensor(g, mesh, dist_params[n].placements)
+        ref_opt.step()
+        opt.step()
+        for n in HEAD_SHAPES:
+            assert torch.equal(dist_params[n].full_tensor(), ref[n].detach()), (n, step)
 
 
 def check_muon_grad_disagreement_raises() -> None:

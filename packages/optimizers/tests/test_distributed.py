@@ -13,6 +13,12 @@ def test_muon_matches_single_process_bitwise(pools, world) -> None:
             pools[world].run(cases.check_muon_matches_single_process, kind, bucket_bytes)
 
 
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_per_head_muon_matches_single_process_bitwise(pools, world) -> None:
+    for kind in ("ragged", "shard0"):
+        pools[world].run(cases.check_muon_per_head, kind)
+
+
 def test_muon_posts_every_bucket_before_orthogonalizing(pools) -> None:
     owned = pools[3].run(cases.check_muon_posts_every_bucket_before_orthogonalizing)
     assert sum(owned) == cases.num_muon_units(3)  # every unit orthogonalized once

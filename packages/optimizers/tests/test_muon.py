@@ -211,3 +211,56 @@ def test_same_shape_matrices_are_batched_only_while_every_owner_gets_one() -> No
     assert sizes(5) == [1] * 8  # batches of 2 would leave an owner idle: 4 units for 5
     # The element budget still caps a batch.
     assert [len(u.items) for u in make_units(items, 2 * 32, 1)] == [2, 2, 2, 2]
+
+
+def test_per_head_equals_muon_on_each_head_as_its_own_matrix() -> None:
+    """num_heads: the same update as the heads cut out as parameters, batched in one call."""
+    from optimizer_cases import HEAD_SHAPES, PER_HEAD_GROUPS, muon_per_head
+
+    from ragged_optimizers._per_head import join_heads, split_heads
+
+    gen = torch.Generator().manual_seed(0)
+    full = {n: torch.randn(s, generator=gen) for n, s in HEAD_SHAPES.items()}
+    ours = {n: torch.nn.Parameter(t.clone()) for n, t in full.items()}
+    opt = muon_per_head(ours)
+    whole = {n: torch.nn.Parameter(t.clone()) for n, t in full.items()}
+    whole_opt = Muon(list(whole.values()), lr=0.02, weight_decay=0.1)
+    # The reference: each head a parameter; one Muon per matrix, whose heads form one batch.
+    split = {g["names"][0]: (g.get("num_heads", 1), g.get("heads_dim", 0)) for g in PER_HEAD_GROUPS}
+    heads = {
+        n: [torch.nn.Parameter(h.clone()) for h in split_heads(full[n], *split[n])]
+        for n in HEAD_SHAPES
+    }
+    head_opts = [Muon(hs, lr=0.02, weight_decay=0.1) for hs in heads.values()]
+    for step in range(3):
+        grads = {n: torch.randn(s, generator=gen) for n, s in HEAD_SHAPES.items()}
+        for n, g in grads.items():
+            ours[n].grad, whole[n].grad = g.clone(), g.clone()
+            for head, head_grad in zip(heads[n], split_heads(g, *split[n]), strict=True):
+                head.grad = head_grad.clone()
+        for o in (opt, whole_opt, *head_opts):
+            o.step()
+        for n in HEAD_SHAPES:
+            joined = join_heads(
+                torch.stack([h.detach() for h in heads[n]]), full[n].shape, *split[n]
+            )
+            assert torch.equal(ours[n].detach(), joined), (n, step)
+    # Per head is not per matrix (w1, a whole matrix in both, is the control).
+    assert torch.equal(ours["w1"].detach(), whole["w1"].detach())
+    for n in ("wq", "wo"):
+        assert not torch.allclose(ours[n].detach(), whole[n].detach(), atol=1e-3), n
+
+
+def test_per_head_bad_input_names_the_parameter() -> None:
+    wq = torch.nn.Parameter(torch.zeros(60, 32))
+    for group, match in [
+        ({"num_heads": 8}, r"params\[0\] of shape \(60, 32\): dim 0 \(60\) does not split"),
+        ({"num_heads": 0}, r"num_heads must be None or an int >= 1, got 0"),
+        ({"num_heads": 2.0}, r"num_heads must be None or an int >= 1, got 2.0"),
+        ({"num_heads": 4, "heads_dim": 2}, r"heads_dim must be 0 .* got 2"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            Muon([{"params": [wq], **group}])
+    conv = torch.nn.Parameter(torch.zeros(8, 4, 3, 3))
+    with pytest.raises(ValueError, match=r"params\[0\] of shape \(8, 4, 3, 3\): per-head"):
+        Muon([{"params": [conv], "num_heads": 2}])

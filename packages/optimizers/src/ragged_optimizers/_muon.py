@@ -49,6 +49,7 @@ from ragged_optimizers._muon_replicas import (
 )
 from ragged_optimizers._newton_schulz import newton_schulz, resolve_coefficients
 from ragged_optimizers._owner_plan import MatrixAssignment, OwnerPlan, ns_flops
+from ragged_optimizers._per_head import check_heads, head_shape, join_heads, split_heads
 from ragged_optimizers._step import StepOptimizer
 from ragged_optimizers._tensor_parallel import orthogonalize_on_one_rank
 
@@ -85,7 +86,11 @@ class Muon(StepOptimizer):
     Args:
         params: Parameters, named parameters or param groups. A group with
             `use_muon=False` is updated with AdamW (use it for embeddings, the output head,
-            norms and biases, which shape alone cannot tell apart).
+            norms and biases, which shape alone cannot tell apart). A group with
+            `num_heads=H` is orthogonalized per head (Kimi K2's per-head Muon): each
+            matrix's H blocks along `heads_dim` (0: rows, for q, k and v projections; 1:
+            columns, for the output projection) go through Newton-Schulz separately, and
+            the lr is adjusted for a head's shape.
         lr: Muon learning rate.
         momentum: Momentum (EMA form: buf = momentum * buf + (1 - momentum) * grad).
         nesterov: Orthogonalize lerp(grad, buf, momentum) instead of buf.
@@ -196,6 +201,8 @@ class Muon(StepOptimizer):
             "adjust_lr": adjust_lr,
             "eps": eps,
             "use_muon": True,
+            "num_heads": None,
+            "heads_dim": 0,
             "adamw_lr": adamw_lr,
             "adamw_betas": adamw_betas,
             "adamw_eps": adamw_eps,
@@ -242,6 +249,8 @@ class Muon(StepOptimizer):
                         f"orthogonalizes 2-D matrices (3-D: a stack, 4-D: flattened to "
                         f"(out, rest)); put it in a group with use_muon=False (AdamW)"
                     )
+                if group["num_heads"] is not None:
+                    check_heads(name, param.shape, group["num_heads"], group["heads_dim"])
 
     def _names(self, group: dict[str, Any]) -> list[str]:
         return [self._param_names[id(param)] for param in group["params"]]
@@ -377,7 +386,10 @@ class Muon(StepOptimizer):
         group = unit.group
         locals_ = [local_flat(item.param) for item in unit.items]
         foreach_mul_(locals_, 1 - group["lr"] * group["weight_decay"])
-        lr = adjusted_lr(group["lr"], group["adjust_lr"], unit.layout.full_shape)
+        shape = head_shape(
+            matrix_shape(unit.layout.full_shape), group.get("num_heads"), group.get("heads_dim", 0)
+        )
+        lr = adjusted_lr(group["lr"], group["adjust_lr"], shape)
         foreach_add_(locals_, updates, alpha=-lr)
 
     def _momentum(self, param: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
@@ -397,11 +409,16 @@ class Muon(StepOptimizer):
         )
         layout = unit.layout
 
+        num_heads, heads_dim = unit.group.get("num_heads"), unit.group.get("heads_dim", 0)
+
         def orthogonalize(stack: torch.Tensor) -> torch.Tensor:
-            shape = unit.shape if len(fulls) > 1 else matrix_shape(layout.full_shape)
+            whole = stack.view(unit.stack_shape)
+            matrices = whole if num_heads is None else split_heads(whole, num_heads, heads_dim)
             out = newton_schulz(
-                stack.view(shape), coefficients, eps=unit.group["eps"], norm_scale=norm_scale
+                matrices, coefficients, eps=unit.group["eps"], norm_scale=norm_scale
             )
+            if num_heads is not None:
+                out = join_heads(out, whole.shape, num_heads, heads_dim)
             return out.reshape(len(fulls), -1)
 
         split = layout.tensor_parallel() if self._tp_owners else None

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from ragged_optimizers._layout import ParamLayout
 from ragged_optimizers._owner_plan import plan_owners
+from ragged_optimizers._per_head import head_shape
 
 COMM_DTYPE = torch.bfloat16
 
@@ -68,10 +69,16 @@ class Unit:
         return self.items[0].name + (f" (+{extra} of its shape)" if extra else "")
 
     @property
-    def shape(self) -> tuple[int, ...]:
-        """What Newton-Schulz sees: the matrix, or (count, rows, cols) for a stack."""
+    def stack_shape(self) -> tuple[int, ...]:
+        """The matrix, or (count, rows, cols) for a stack of the unit's matrices."""
         shape = matrix_shape(self.layout.full_shape)
         return shape if len(self.items) == 1 else (len(self.items), *shape)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """What Newton-Schulz sees: `stack_shape`, split into heads in per-head groups."""
+        group = self.group
+        return head_shape(self.stack_shape, group.get("num_heads"), group.get("heads_dim", 0))
 
     @property
     def numel(self) -> int:
