@@ -243,28 +243,37 @@ def check_adamw8bit_rejects_cut_blocks() -> None:
     AdamW8bit([param], min_8bit_numel=65 * 64 + 1)  # fp32 state: any cut is fine
 
 
-def _dcp_case(optimizer: str, world: int) -> tuple[Any, ...]:
-    """(mesh, full tensors, sharded params, gradients of a step, optimizer factory)."""
+def _dcp_case(optimizer: str, world: int, replicas: int = 1) -> tuple[Any, ...]:
+    """(mesh, full tensors, sharded params, gradients of a step, optimizer factory); with
+    `replicas` > 1 Muon's mesh is HSDP's (replicas, world // replicas), Replicate first."""
     if optimizer == "adamw8bit":
         mesh, full, params = _adam_setup(world)
         return mesh, full, params, _adam_grads, lambda ps: AdamW8bit(list(ps.items()))
-    mesh = init_device_mesh("cpu", (world,))
+    shards = world // replicas
+    mesh = init_device_mesh("cpu", (replicas, shards) if replicas > 1 else (world,))
     shapes = {**MUON_SHAPES, "bias": (7,)}
     full = _full_tensors(shapes, 0)
+    over = [Replicate()] if replicas > 1 else []
     params = {
-        n: torch.nn.Parameter(distribute_tensor(t, mesh, _placements(n, t.shape, world, "ragged")))
+        n: torch.nn.Parameter(
+            distribute_tensor(t, mesh, [*over, *_placements(n, t.shape, shards, "ragged")])
+        )
         for n, t in full.items()
     }
 
     def make(ps: dict[str, torch.nn.Parameter]) -> Muon:
         matrices = [(n, p) for n, p in ps.items() if n != "bias"]
-        return Muon([{"params": matrices}, {"params": [("bias", ps["bias"])], "use_muon": False}])
+        groups = [{"params": matrices}, {"params": [("bias", ps["bias"])], "use_muon": False}]
+        return Muon(groups, replica_owners=True)  # under HSDP each matrix once in the mesh
 
     return mesh, full, params, lambda step: _full_tensors(shapes, 300 + step), make
 
 
-def check_dcp_reshard(directory: str, save_world: int, optimizer: str) -> None:
-    """Three steps at save_world, saved with DCP; loaded here and continued: bitwise."""
+def check_dcp_reshard(
+    directory: str, save_world: int, optimizer: str, save_replicas: int = 1
+) -> None:
+    """Three steps at save_world (HSDP with `save_replicas` > 1), saved with DCP; loaded
+    here (one shard axis) and continued: bitwise."""
     world = dist.get_world_size()
     from torch.distributed.checkpoint.state_dict import (
         get_optimizer_state_dict,
@@ -277,7 +286,8 @@ def check_dcp_reshard(directory: str, save_world: int, optimizer: str) -> None:
             for n, p in params.items():
                 self.register_parameter(n, p)
 
-    mesh, full, params, grads, make = _dcp_case(optimizer, world)
+    replicas = save_replicas if world == save_world else 1
+    mesh, full, params, grads, make = _dcp_case(optimizer, world, replicas)
     model = Holder(params)
     opt = make(params)
 

@@ -43,6 +43,11 @@ def test_dcp_save_at_4_load_at_2_and_3_continues_bitwise(pools, tmp_path, optimi
         pools[world].run(cases.check_dcp_reshard, str(tmp_path), 4, optimizer)
 
 
+def test_muon_dcp_saved_at_hsdp_2x2_loads_at_3_and_continues_bitwise(pools, tmp_path) -> None:
+    pools[4].run(cases.check_dcp_reshard, str(tmp_path), 4, "muon", 2)
+    pools[3].run(cases.check_dcp_reshard, str(tmp_path), 4, "muon", 2)
+
+
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("optimizer", ["muon", "adamw8bit"])
 def test_beside_tensor_parallelism_matches_single_process_bitwise(pools, world, optimizer) -> None:
