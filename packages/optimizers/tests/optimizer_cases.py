@@ -501,7 +501,7 @@ def check_muon_hsdp(
     )
     flops: list[int] = []
     muon, original, counting = _counting_ns(flops)
-    gathered = 0
+    gathered = exchanged = 0
     for step in range(3):
         grads = _full_tensors(shapes, 100 + step)
         for n, g in grads.items():
@@ -515,10 +515,27 @@ def check_muon_hsdp(
         finally:
             muon.newton_schulz = original
         gathered += sum(c.bytes_sent for c in comms.collectives if c.kind == "all_gather")
+        exchanged += sum(c.bytes_sent for c in comms.collectives if c.kind == "all_to_all")
         for n in shapes:
             assert torch.equal(dist_params[n].full_tensor(), ref[n].detach()), (n, step)
     piece = next(iter(dist_params.values())).to_local().numel()
     plan = opt.owner_plan()
+    # The README's formula, per rank and step (bfloat16: 2 bytes per element). Over the
+    # shard axis, for each matrix its replica orthogonalizes: the owner sends every other
+    # holder its piece of the update, the others send the owner their pieces. Over the
+    # replicate axis: its pieces of the matrices each other replica orthogonalized once,
+    # padded to the largest replica's share, to each of the R - 1 others.
+    replica, shard = divmod(dist.get_rank(), 2)
+    expected_exchange, shares = 0, [0, 0]
+    for a in plan:
+        mine = dist_params[a.name].to_local().numel()
+        if a.num_copies == 1:
+            shares[a.owner // 2] += mine
+        if a.num_copies == 2 or a.owner // 2 == replica:
+            expected_exchange += (a.elements_out if a.owner % 2 == shard else mine) * 2
+    expected_gather = max(shares) * 2 * (2 - 1) if shares != [0, 0] else 0
+    assert exchanged == 3 * expected_exchange, (exchanged, expected_exchange)
+    assert gathered == 3 * expected_gather, (gathered, expected_gather)
     return {
         "flops": sum(flops) // 3,
         "planned": plan.loads[dist.get_rank()],
@@ -534,7 +551,7 @@ TP_MANY = {  # 8 column- and 8 row-parallel matrices, one matrix per batch
 }
 
 
-def check_muon_tp_flops(tp_owners: bool) -> int:
+def check_muon_tp_flops(tp_owners: bool) -> dict[str, int]:
     """This rank's Newton-Schulz FLOPs of one step on TP_MANY at (dp, tp) = (2, 2) (a
     tp-Replicate matrix would still be orthogonalized on every tp rank)."""
     specs = TP_MANY
@@ -549,7 +566,19 @@ def check_muon_tp_flops(tp_owners: bool) -> int:
     muon, original, counting = _counting_ns(flops)
     muon.newton_schulz = counting  # type: ignore[assignment]
     try:
-        opt.step()
+        with CommCounter() as comms:
+            opt.step()
     finally:
         muon.newton_schulz = original
-    return sum(flops)
+    # Over dp, the 1-D formula on each matrix's tp block (see check_muon_matches_single_process).
+    dp_rank = params["col0"].device_mesh.get_local_rank(0)
+    expected = 0
+    for a in opt.owner_plan():
+        mine = params[a.name].to_local().numel()
+        expected += (a.elements_out if a.owner == dp_rank else mine) * 2
+    exchanged = sum(c.bytes_sent for c in comms.collectives if c.kind == "all_to_all")
+    assert exchanged == expected, (exchanged, expected)
+    over_tp = sum(c.bytes_sent for c in comms.collectives if c.kind in ("gather", "scatter"))
+    if not tp_owners:
+        assert over_tp == 0, comms.collectives
+    return {"flops": sum(flops), "tp_bytes": over_tp}

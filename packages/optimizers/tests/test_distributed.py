@@ -1,5 +1,7 @@
 """Both optimizers on 1-4 gloo ranks against one-process runs on the full tensors."""
 
+import math
+
 import optimizer_cases as cases
 import pytest
 
@@ -121,8 +123,13 @@ def test_tp_group_with_a_replicated_matrix_first_keeps_tp_blocks_apart(pools) ->
 
 def test_tensor_parallel_matrices_are_orthogonalized_on_one_tp_rank(pools) -> None:
     """(dp, tp) = (2, 2): each matrix once per dp owner, not once per tp rank."""
-    once = pools[4].run(cases.check_muon_tp_flops, True)
-    every = pools[4].run(cases.check_muon_tp_flops, False)
+    once_runs = pools[4].run(cases.check_muon_tp_flops, True)
+    every_runs = pools[4].run(cases.check_muon_tp_flops, False)
+    once, every = [r["flops"] for r in once_runs], [r["flops"] for r in every_runs]
     assert sum(once) * 2 == sum(every)  # tp = 2 copies of the work before
     assert max(once) <= 0.55 * max(every), (once, every)
     print(f"busiest rank's Newton-Schulz FLOPs: {max(once) / max(every):.3f} of every tp rank's")
+    # Over tp, per matrix: its dp owner's tp blocks gathered to one tp rank and scattered
+    # back, in bfloat16: 2 x (tp - 1) blocks of numel / tp elements, 2 bytes each.
+    numels = [math.prod(shape) for shape, _ in cases.TP_MANY.values()]
+    assert sum(r["tp_bytes"] for r in once_runs) == sum(2 * (2 - 1) * n // 2 * 2 for n in numels)

@@ -159,6 +159,21 @@ def check_counter_sees_torch_collectives(rows: int) -> None:
         assert comms.collectives[0].op.startswith("_c10d_functional")
         assert comms.collectives[0].group_size == world
         assert comms.bytes_received == dt.to_local().numel() * 4 * (world - 1)
+    # gather / scatter to / from the last rank: only the pieces that leave a rank count.
+    root, piece = world - 1, torch.full((3,), float(dist.get_rank()))
+    gathered = [torch.empty(3) for _ in range(world)] if dist.get_rank() == root else None
+    with CommCounter() as comms:
+        dist.gather(piece, gathered, dst=root)
+        dist.scatter(piece, gathered, src=root)
+    if world > 1:
+        assert comms.counts() == {"gather": 1, "scatter": 1}, comms.collectives
+        others = 3 * 4 * (world - 1)
+        mine = (0, others) if dist.get_rank() == root else (3 * 4, 0)  # gather: sent, received
+        assert [(c.bytes_sent, c.bytes_received) for c in comms.collectives] == [
+            mine,
+            mine[::-1],  # scatter: the other way
+        ], comms.collectives
+    assert torch.equal(piece, torch.full((3,), float(dist.get_rank())))
 
 
 def check_one_hot_gather(shape: tuple[int, ...], owner: int) -> dict[str, int]:

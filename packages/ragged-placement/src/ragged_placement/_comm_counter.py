@@ -10,6 +10,8 @@ backend algorithm puts on the wire):
 - all_reduce: the tensor's bytes each way;
 - all_to_all: the splits for other ranks / from other ranks (its own split stays local);
 - broadcast: the source sends to m-1 peers, every other rank receives the tensor once;
+- gather / scatter: every rank but the root sends / receives its tensor; the root receives /
+  sends the m-1 others;
 - send / recv: the tensor's bytes.
 """
 
@@ -166,8 +168,13 @@ def _volume(
     if kind == "broadcast":
         root = int(_pick(named, "root_rank", "src") or 0)
         return (n_in * (m - 1), 0) if me == root else (0, n_in)
+    if kind in ("gather", "scatter"):
+        root = int(_pick(named, "root_rank", "dst", "src") or 0)
+        if kind == "gather":  # the root receives every other rank's input
+            return (0, n_out - n_in) if me == root else (n_in, 0)
+        return (n_in - n_out, 0) if me == root else (0, n_out)
     if kind == "send":
         return n_in, 0
     if kind == "recv":
         return 0, n_in
-    return n_in, n_out  # scatter / gather / barrier: the tensors this rank passes
+    return n_in, n_out  # barrier
