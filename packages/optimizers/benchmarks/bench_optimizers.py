@@ -54,16 +54,27 @@ def _round_robin(names, shapes, pieces, num_ranks, ns_steps):  # type: ignore[no
     return tuple(out)
 
 
-def _model() -> Any:
+def _model(layout: str = "fsdp") -> Any:
+    """The decoder under fully_shard: "fsdp" (1-D mesh), "hsdp" ((2, W / 2) replicate x
+    shard) or "tp" ((W / 2, 2) dp x tp: Megatron tensor parallelism, then fully_shard on dp)."""
     from model import Config, Decoder
+    from parallel import tensor_parallel
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdp_engine import fully_shard
 
     torch.manual_seed(0)
     model = Decoder(Config(vocab=32000, dim=512, num_heads=8, num_layers=8, hidden=1376))
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    rows = lambda fqn, p: 32 if p.dim() == 2 else 1  # noqa: E731
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    if layout == "hsdp":
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    elif layout == "tp":
+        grid = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        tensor_parallel(model, grid["tp"])
+        mesh = grid["dp"]
+    block = 16 if layout == "tp" else 32  # a tp rank holds 688 of the 1376 hidden rows
+    rows = lambda fqn, p: block if p.dim() == 2 else 1  # noqa: E731
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, block_rows=rows)
     fully_shard(model, mesh=mesh, block_rows=rows)
@@ -71,10 +82,17 @@ def _model() -> Any:
 
 
 def _set_grads(model: Any, seed: int) -> None:
-    from torch.distributed.tensor import DTensor
+    """Random gradients, equal across replicas (HSDP's are all-reduced over them)."""
+    from torch.distributed.tensor import DTensor, Replicate
 
-    gen = torch.Generator().manual_seed(seed * 100 + dist.get_rank())
-    for p in model.parameters():
+    for index, p in enumerate(model.parameters()):
+        coordinate = p.device_mesh.get_coordinate() or []
+        held = [
+            c
+            for c, pl in zip(coordinate, p.placements, strict=True)
+            if not isinstance(pl, Replicate)
+        ]
+        gen = torch.Generator().manual_seed(hash((seed, index, *held)) % 2**31)
         local = torch.randn(p.to_local().shape, generator=gen)
         p.grad = DTensor.from_local(
             local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
@@ -152,6 +170,13 @@ def _rank(rank: int, world: int, init: str, args: argparse.Namespace, out: Any) 
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    if args.meshes_only:
+        meshes = _mesh_rows(args)
+        if rank == 0:
+            out.put({"world": world, "meshes": meshes})
+        dist.barrier()
+        dist.destroy_process_group()
+        os._exit(0)
     import ragged_optimizers._muon as muon
     from ragged_optimizers import AdamW, AdamW8bit, Muon, makespan
     from ragged_placement import CommCounter
@@ -205,9 +230,11 @@ def _rank(rank: int, world: int, init: str, args: argparse.Namespace, out: Any) 
         for name, opt in adams.items():
             adam_times[name] += _timed(opt.step, args.steps)
     state = {name: _state_bytes(opt) for name, opt in adams.items()}
+    meshes = _mesh_rows(args) if world % 2 == 0 and world >= 4 else []
     if rank == 0:
         out.put(
             {
+                "meshes": meshes,
                 "world": world,
                 "num_params": num_params,
                 "num_matrices": len(plan),
@@ -225,6 +252,107 @@ def _rank(rank: int, world: int, init: str, args: argparse.Namespace, out: Any) 
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)  # gloo teardown can abort spuriously at interpreter exit
+
+
+class _CountNS:
+    """Counts the Newton-Schulz FLOPs this rank runs inside it (Muon's own calls)."""
+
+    def __enter__(self) -> _CountNS:
+        import ragged_optimizers._muon as muon
+        from ragged_optimizers import ns_flops
+
+        self.flops, self._module, self._original = 0, muon, muon.newton_schulz
+
+        def counting(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            self.flops += ns_flops(tuple(x.shape), 5)
+            return self._original(x, *args, **kwargs)
+
+        muon.newton_schulz = counting
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._module.newton_schulz = self._original
+
+
+def _one_batch_per_shape() -> Any:
+    """Muon's batching before owners were balanced: a shape's matrices as few batches as
+    `ns_batch_numel` allows, however many owners are left idle (a context manager)."""
+    import contextlib
+
+    import ragged_optimizers._muon_exchange as exchange
+
+    @contextlib.contextmanager
+    def patched() -> Any:
+        original = exchange._balanced_batch
+        exchange._balanced_batch = lambda count, num_owners: max(count, 1)
+        try:
+            yield
+        finally:
+            exchange._balanced_batch = original
+
+    return patched()
+
+
+def _max_over_ranks(value: float) -> float:
+    t = torch.tensor(float(value), dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _mesh_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Muon on the decoder at pure FSDP, HSDP (2, W/2) and (dp, tp) = (W/2, 2): this
+    version against the path each mesh had before (one batch per shape; every replica;
+    every tp rank) and the redundant baseline, alternating in one run. Per variant: the
+    slowest rank's median step and the busiest rank's Newton-Schulz FLOPs (counted)."""
+    from ragged_optimizers import Muon
+    from ragged_placement import CommCounter
+
+    rows = []
+    for layout in ("fsdp", "hsdp", "tp"):
+        model = _model(layout)
+        ours = Muon(_muon_groups(model), lr=0.0)
+        before: Any
+        if layout == "fsdp":
+            before_name = "one batch per shape"
+
+            def before_step(opt: Any = ours) -> None:
+                with _one_batch_per_shape():
+                    opt.step()
+
+            before = before_step
+        elif layout == "hsdp":
+            before_name = "every replica"
+            before = Muon(_muon_groups(model), lr=0.0, replica_owners=False).step
+        else:
+            before_name = "every tp rank"
+            before = Muon(_muon_groups(model), lr=0.0, tp_owners=False).step
+        variants: dict[str, Any] = {"ours": ours.step, "before": before}
+        if layout != "tp":  # (the baseline gathers 1-D shards; tp blocks need another path)
+            variants["redundant"] = RedundantMuon(ours).step
+        _set_grads(model, 0)
+        flops, sent = {}, {}
+        for name, step in variants.items():  # warm-up: FLOPs and bytes of one step
+            with _CountNS() as counted, CommCounter() as comms:
+                step()
+            flops[name] = _max_over_ranks(counted.flops)
+            sent[name] = _max_over_ranks(comms.bytes_sent)
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for _ in range(args.rounds):
+            for name, step in variants.items():
+                times[name] += _timed(step, args.steps)
+        plan = ours.owner_plan()
+        rows.append(
+            {
+                "layout": layout,
+                "before": before_name,
+                "ms": {k: statistics.median(v) * 1e3 for k, v in times.items()},
+                "busiest_ns_gflop": {k: v / 1e9 for k, v in flops.items()},
+                "sent_mb": {k: v / 1e6 for k, v in sent.items()},
+                "plan": str(plan),
+            }
+        )
+        del model, ours, variants
+    return rows
 
 
 def _hidden_matrices(preset: str) -> tuple[list[str], list[tuple[int, ...]]]:
@@ -492,6 +620,11 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="the one-process AdamW's device")
     parser.add_argument("--muon-steps", type=int, default=5)
     parser.add_argument("--experts-only", action="store_true", help="only Muon on MoE experts")
+    parser.add_argument(
+        "--meshes-only",
+        action="store_true",
+        help="only Muon per mesh (FSDP, HSDP, dp x tp) at the even worlds >= 4",
+    )
     args = parser.parse_args()
     if args.experts_only:
         _muon_experts(args)
@@ -500,13 +633,18 @@ def main() -> None:
     hsdp = _hsdp_plans(["gpt-oss-120b", "deepseek-v3-671b"], [(8, 128)])
     if args.plans_only:
         return
-    one_process = _one_process_adamw(args)
-    if args.adam_only:
-        return
-    experts = _muon_experts(args)
+    one_process: dict[str, Any] = {}
+    experts: dict[str, Any] = {}
+    if not args.meshes_only:
+        one_process = _one_process_adamw(args)
+        if args.adam_only:
+            return
+        experts = _muon_experts(args)
     ctx = mp.get_context("spawn")
     results = []
     for world in (int(w) for w in args.worlds.split(",")):
+        if args.meshes_only and (world < 4 or world % 2):
+            continue
         queue = ctx.Queue()
         init = f"file://{tempfile.mkdtemp()}/rendezvous"
         procs = [
@@ -519,7 +657,9 @@ def main() -> None:
         for proc in procs:
             proc.join()
         results.append(result)
-        _print(result, args)
+        if not args.meshes_only:
+            _print(result, args)
+        _print_meshes(result, args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         json.dumps(
@@ -534,6 +674,31 @@ def main() -> None:
         )
     )
     print(f"wrote {args.out}")
+
+
+def _print_meshes(r: dict[str, Any], args: argparse.Namespace) -> None:
+    if not r["meshes"]:
+        return
+    w = r["world"]
+    names = {"fsdp": f"FSDP {w}", "hsdp": f"HSDP 2 x {w // 2}", "tp": f"(dp, tp) = ({w // 2}, 2)"}
+    print(
+        f"\nMuon per mesh, W={w}: this version against each mesh's previous path and the "
+        f"redundant baseline (median of {args.steps * args.rounds} steps, slowest rank; "
+        f"busiest rank's Newton-Schulz GFLOP counted in one step)"
+    )
+    print("| mesh | variant | step ms | / before | / redundant | busiest NS GFLOP | / before |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for row in r["meshes"]:
+        ms, flops = row["ms"], row["busiest_ns_gflop"]
+        for name in ms:
+            label = row["before"] if name == "before" else name
+            redundant = f"{ms[name] / ms['redundant']:.3f}" if "redundant" in ms else "-"
+            print(
+                f"| {names[row['layout']]} | {label} | {ms[name]:.0f} | "
+                f"{ms[name] / ms['before']:.3f} | {redundant} | {flops[name]:.2f} | "
+                f"{flops[name] / flops['before']:.3f} |"
+            )
+        print(f"|  | plan: {row['plan']} |  |  |  |  |  |")
 
 
 def _print(r: dict[str, Any], args: argparse.Namespace) -> None:

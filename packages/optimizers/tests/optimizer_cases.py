@@ -417,11 +417,14 @@ def _tp_params(
     return mesh, {n: t * 0.1 for n, t in full.items()}, params
 
 
-def check_tensor_parallel(optimizer: str, reverse: bool = False) -> None:
+def check_tensor_parallel(
+    optimizer: str, reverse: bool = False, replica_owners: bool | str = "auto"
+) -> None:
     """Muon and AdamW8bit on (RaggedShard, Shard(d)) parameters: bitwise one process's.
 
     `reverse`: the parameters in reverse order (Muon: the tp-Replicate matrix first, whose
-    mesh alone would look like HSDP's)."""
+    mesh alone would look like HSDP's). `replica_owners=True`: Muon's tp-Replicate matrix
+    orthogonalized once over dp x tp ranks."""
     specs = TP_MUON if optimizer == "muon" else TP_ADAM
     if reverse:
         specs = dict(reversed(list(specs.items())))
@@ -429,7 +432,8 @@ def check_tensor_parallel(optimizer: str, reverse: bool = False) -> None:
     ref = {n: torch.nn.Parameter(t.clone()) for n, t in full.items()}
     if optimizer == "muon":
         kwargs: dict[str, Any] = {"lr": 0.02, "weight_decay": 0.1}
-        opt, ref_opt = Muon(list(params.items()), **kwargs), Muon(list(ref.items()), **kwargs)
+        opt = Muon(list(params.items()), replica_owners=replica_owners, **kwargs)
+        ref_opt = Muon(list(ref.items()), **kwargs)
         assert {a.name for a in opt.owner_plan()} == (set(specs) if mesh.size(0) > 1 else set())
     else:
         opt, ref_opt = AdamW8bit(list(params.items())), AdamW8bit(list(ref.items()))
@@ -551,6 +555,28 @@ TP_MANY = {  # 8 column- and 8 row-parallel matrices, one matrix per batch
 }
 
 
+TP_REPLICATED = {f"rep{i}": ((32, 40), Replicate()) for i in range(8)}
+
+
+def check_muon_tp_replicated_flops(replica_owners: bool) -> int:
+    """This rank's Newton-Schulz FLOPs of one step on 8 tp-Replicate matrices at (2, 2)."""
+    _, _, params = _tp_params(TP_REPLICATED, 1, seed=5)
+    opt = Muon(list(params.items()), lr=0.02, replica_owners=replica_owners)
+    grads = _full_tensors({n: shape for n, (shape, _) in TP_REPLICATED.items()}, 301)
+    for name, grad in grads.items():
+        params[name].grad = distribute_tensor(
+            grad, params[name].device_mesh, params[name].placements
+        )
+    flops: list[int] = []
+    muon, original, counting = _counting_ns(flops)
+    muon.newton_schulz = counting  # type: ignore[assignment]
+    try:
+        opt.step()
+    finally:
+        muon.newton_schulz = original
+    return sum(flops)
+
+
 def check_muon_tp_flops(tp_owners: bool) -> dict[str, int]:
     """This rank's Newton-Schulz FLOPs of one step on TP_MANY at (dp, tp) = (2, 2) (a
     tp-Replicate matrix would still be orthogonalized on every tp rank)."""
@@ -571,14 +597,19 @@ def check_muon_tp_flops(tp_owners: bool) -> dict[str, int]:
     finally:
         muon.newton_schulz = original
     # Over dp, the 1-D formula on each matrix's tp block (see check_muon_matches_single_process).
-    dp_rank = params["col0"].device_mesh.get_local_rank(0)
+    mesh = params["col0"].device_mesh
+    dp_rank, dp_size = mesh.get_local_rank(0), mesh.size(0)
     expected = 0
-    for a in opt.owner_plan():
+    plan = opt.owner_plan()  # slots: tp rank slot // dp_size, dp owner slot % dp_size
+    for a in plan:
         mine = params[a.name].to_local().numel()
-        expected += (a.elements_out if a.owner == dp_rank else mine) * 2
+        expected += (a.elements_out if a.owner % dp_size == dp_rank else mine) * 2
     exchanged = sum(c.bytes_sent for c in comms.collectives if c.kind == "all_to_all")
     assert exchanged == expected, (exchanged, expected)
     over_tp = sum(c.bytes_sent for c in comms.collectives if c.kind in ("gather", "scatter"))
     if not tp_owners:
         assert over_tp == 0, comms.collectives
+    else:  # the plan's slot for this rank: what it computes, as planned
+        slot = mesh.get_local_rank(1) * dp_size + dp_rank
+        assert sum(flops) == plan.loads[slot], (sum(flops), plan.loads)
     return {"flops": sum(flops), "tp_bytes": over_tp}

@@ -121,6 +121,18 @@ def test_tp_group_with_a_replicated_matrix_first_keeps_tp_blocks_apart(pools) ->
     pools[4].run(cases.check_tensor_parallel, "muon", True)
 
 
+def test_tp_replicated_matrices_are_orthogonalized_once_over_dp_and_tp(pools) -> None:
+    """A tp-Replicate matrix: tp is its replicate axis, so owners span dp x tp ranks."""
+    from ragged_optimizers import ns_flops
+
+    pools[4].run(cases.check_tensor_parallel, "muon", True, True)  # bitwise, shared path
+    unique = len(cases.TP_REPLICATED) * ns_flops((32, 40), 5)
+    once = pools[4].run(cases.check_muon_tp_replicated_flops, True)
+    every = pools[4].run(cases.check_muon_tp_replicated_flops, False)
+    assert sum(once) == unique and sum(every) == 2 * unique, (once, every)
+    assert max(once) / unique == 0.25 and max(every) / unique == 0.5, (once, every)
+
+
 def test_tensor_parallel_matrices_are_orthogonalized_on_one_tp_rank(pools) -> None:
     """(dp, tp) = (2, 2): each matrix once per dp owner, not once per tp rank."""
     once_runs = pools[4].run(cases.check_muon_tp_flops, True)

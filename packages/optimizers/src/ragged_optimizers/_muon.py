@@ -19,6 +19,7 @@ each matrix the owner lacks, once in each direction.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -40,11 +41,13 @@ from ragged_optimizers._muon_exchange import (
     plan_units,
     send_back,
     send_to_owners,
+    tp_size,
 )
 from ragged_optimizers._muon_replicas import (
     Replicas,
     common_replicas,
     plan_over_replicas,
+    replicas_of,
     share_updates,
 )
 from ragged_optimizers._newton_schulz import newton_schulz, resolve_coefficients
@@ -191,6 +194,9 @@ class Muon(StepOptimizer):
         self._ns_batch_numel = ns_batch_numel
         self._layouts: dict[int, ParamLayout] = {}
         self._param_names: dict[int, str] = {}
+        # The last step's host time waiting for buckets of pieces vs orthogonalizing them
+        # (measured on the host: a CUDA collective's wait returns before its data lands).
+        self.exchange_time: dict[str, float] = {}
         defaults = {
             "lr": lr,
             "momentum": momentum,
@@ -297,22 +303,26 @@ class Muon(StepOptimizer):
         num_slots = 0
         for members in by_process_group(sharded):
             world = members[0].layout.num_ranks
-            mesh_replicas = common_replicas([item.layout for item in members])
-            num_replicas = 1 if mesh_replicas is None else mesh_replicas.size
-            num_slots = max(num_slots, world * num_replicas)
-            replicas = self._replicas(members)
-            if replicas is None:  # each replica does every unit, as in `_step`
-                units = plan_units(make_units(members, self._ns_batch_numel, world), ns_steps)
-                replica_of: list[int | None] = [None] * len(units)
-            else:
-                units = make_units(members, self._ns_batch_numel, world * num_replicas)
-                replica_of = plan_over_replicas(units, num_replicas, ns_steps, self._price())
-            for unit, replica in zip(units, replica_of, strict=True):
-                if replica is None:
-                    where = (unit.owner, unit.owner, num_replicas)
-                else:
-                    where = (replica * world + unit.owner, unit.owner, 1)
-                owners.update((id(item), where) for item in unit.items)
+            for items, replicas, num_tp in self._exchange_groups(members):
+                mesh_replicas = common_replicas([item.layout for item in items])
+                copies = 1 if replicas is not None or mesh_replicas is None else mesh_replicas.size
+                if replicas is None:  # as `_exchange` plans them
+                    units = make_units(items, self._ns_batch_numel, world * num_tp)
+                    plan_units(units, ns_steps, num_tp)
+                    num_slots = max(num_slots, world * num_tp * copies)
+                    for unit in units:
+                        slot = (unit.tp_rank or 0) * world + unit.owner
+                        owners.update((id(item), (slot, unit.owner, copies)) for item in unit.items)
+                    continue
+                num_slots = max(num_slots, world * replicas.size)
+                units = make_units(items, self._ns_batch_numel, world * replicas.size)
+                replica_of = plan_over_replicas(units, replicas.size, ns_steps, self._price())
+                for unit, replica in zip(units, replica_of, strict=True):
+                    if replica is None:
+                        where = (unit.owner, unit.owner, replicas.size)
+                    else:
+                        where = (replica * world + unit.owner, unit.owner, 1)
+                    owners.update((id(item), where) for item in unit.items)
         out = []
         for index, item in enumerate(sharded):
             shape = matrix_shape(item.layout.full_shape)
@@ -327,6 +337,7 @@ class Muon(StepOptimizer):
 
     def _step(self) -> None:
         """One step on the current gradients (`step` runs the closure first, then this)."""
+        self.exchange_time = {"wait_s": 0.0, "orthogonalize_s": 0.0, "buckets": 0}
         sharded: list[Item] = []
         local: list[Item] = []
         for group in self.param_groups:
@@ -348,12 +359,13 @@ class Muon(StepOptimizer):
             for members in by_process_group(agree(sharded)):
                 for item, update in zip(members, self._momenta(members), strict=True):
                     item.update = update.to(COMM_DTYPE)
-                replicas = self._replicas(members)
-                if replicas is not None:
-                    self._exchange_over_replicas(members, replicas)
-                    continue
                 owners = members[0].layout.num_ranks
-                self._exchange(make_units(members, self._ns_batch_numel, owners))
+                for items, replicas, num_tp in self._exchange_groups(members):
+                    if replicas is not None:
+                        self._exchange_over_replicas(items, replicas)
+                    else:
+                        units = make_units(items, self._ns_batch_numel, owners * num_tp)
+                        self._exchange(units, num_tp=num_tp)
 
     def _momenta(self, items: list[Item]) -> list[torch.Tensor]:
         """Updates the momentum of each item's local piece; returns what to orthogonalize.
@@ -423,8 +435,12 @@ class Muon(StepOptimizer):
 
         split = layout.tensor_parallel() if self._tp_owners else None
         if split is not None:
-            self._tp_turn += 1
-            return orthogonalize_on_one_rank(layout, split, fulls, orthogonalize, self._tp_turn)
+            tp_rank = unit.tp_rank
+            if tp_rank is None:  # not planned over tp (no dp axis): tp ranks take turns
+                assert layout.mesh is not None
+                self._tp_turn += 1
+                tp_rank = (self._tp_turn + layout.rank) % layout.mesh.size(split[0])
+            return orthogonalize_on_one_rank(layout, split, fulls, orthogonalize, tp_rank)
         stack = layout.gather_blocks(fulls)  # one collective for the unit
         return list(layout.take_blocks(orthogonalize(stack)).unbind())
 
@@ -435,12 +451,13 @@ class Muon(StepOptimizer):
         self._apply_unit(Unit([Item(param, "", layout, torch.empty(0), group)]), [update])
 
     def _exchange(
-        self, units: list[Unit], *, plan: bool = True, apply: bool = True
+        self, units: list[Unit], *, plan: bool = True, apply: bool = True, num_tp: int = 1
     ) -> dict[int, list[torch.Tensor]]:
         """Gathers each unit to its owner, orthogonalizes it, sends every rank its pieces.
 
         Returns each unit's pieces of its update on this rank (by unit id); with `apply`
-        they are applied too. `plan=False`: the units' owners are set already.
+        they are applied too. `plan=False`: the units' owners are set already. `num_tp`:
+        plan over dp owner x tp rank slots (see `plan_units`).
         """
         done: dict[int, list[torch.Tensor]] = {}
         if not units:
@@ -449,15 +466,21 @@ class Muon(StepOptimizer):
         process_group, me, world = layout0.group, layout0.rank, layout0.num_ranks
         assert process_group is not None
         if plan:
-            plan_units(units, max(unit.group["ns_steps"] for unit in units))
+            plan_units(units, max(unit.group["ns_steps"] for unit in units), num_tp)
         bucket_list = buckets(units, self._bucket_bytes)
         inbound = [send_to_owners(bucket, me, world, process_group) for bucket in bucket_list]
         outbound = []
+        clock = self.exchange_time
         for bucket, (received, work) in zip(bucket_list, inbound, strict=True):
+            start = time.perf_counter()
             work.wait()
+            waited = time.perf_counter()
             updates = {}
             for unit, fulls in assemble(bucket, received, me, world):
                 updates[id(unit)] = self._orthogonalize_unit(unit, fulls)
+            clock["wait_s"] += waited - start
+            clock["orthogonalize_s"] += time.perf_counter() - waited
+            clock["buckets"] += 1
             outbound.append(send_back(bucket, updates, me, world, process_group))
         for bucket, (received, work) in zip(bucket_list, outbound, strict=True):
             work.wait()
@@ -476,11 +499,32 @@ class Muon(StepOptimizer):
                         self._apply_unit(unit, pieces)
         return done
 
-    def _replicas(self, members: list[Item]) -> Replicas | None:
-        """The replicate axis to plan owners over (HSDP), None for the per-replica exchange."""
-        if self._replica_owners is False:
-            return None
-        return common_replicas([item.layout for item in members])
+    def _exchange_groups(
+        self, members: list[Item]
+    ) -> list[tuple[list[Item], Replicas | None, int]]:
+        """One shard group's matrices by how they are exchanged, in an order every rank shares.
+
+        Matrices replicated over another axis (HSDP's replicate axis, or the tp axis for a
+        tp-Replicate matrix) are planned over that axis too, one list per axis; the rest
+        (the replica_owners=False case included) per shard group, with the tp ranks as
+        slots when tensor parallelism splits all of them alike. Each entry: (matrices, the
+        replicate axis owners span or None, tp slots per dp owner).
+        """
+        shared: dict[int, tuple[list[Item], Replicas]] = {}
+        rest: list[Item] = []
+        for item in members:
+            replicas = None if self._replica_owners is False else replicas_of(item.layout)
+            if replicas is None:
+                rest.append(item)
+            else:
+                shared.setdefault(id(replicas.group), ([], replicas))[0].append(item)
+        out: list[tuple[list[Item], Replicas | None, int]] = [
+            (items, replicas, 1) for items, replicas in shared.values()
+        ]
+        if rest:
+            sizes = {tp_size(Unit([item])) for item in rest} if self._tp_owners else {1}
+            out.append((rest, None, sizes.pop() if len(sizes) == 1 else 1))
+        return out
 
     def _price(self) -> float | None:
         """`worth_sharing`'s FLOPs per byte; None shares every unit (`replica_owners=True`)."""

@@ -54,6 +54,7 @@ class Unit:
 
     items: list[Item]
     owner: int = 0
+    tp_rank: int | None = None  # under tensor parallelism, the tp rank that computes it
 
     @property
     def layout(self) -> ParamLayout:
@@ -139,19 +140,33 @@ def _balanced_batch(count: int, num_owners: int) -> int:
     return size
 
 
-def plan_units(units: list[Unit], ns_steps: int) -> list[Unit]:
-    """Sets each unit's owner (LPT over the units), the same on every rank."""
+def tp_size(unit: Unit) -> int:
+    """The tensor-parallel axis' size when one splits the unit's matrices, else 1."""
+    split = unit.layout.tensor_parallel()
+    layout = unit.layout
+    return 1 if split is None or layout.mesh is None else layout.mesh.size(split[0])
+
+
+def plan_units(units: list[Unit], ns_steps: int, num_tp: int = 1) -> list[Unit]:
+    """Sets each unit's owner (LPT over the units), the same on every rank.
+
+    With `num_tp` > 1 (tensor parallelism, one tp rank computing each unit) the slots are
+    dp owner x tp rank: slot // num_tp is the dp owner, slot % num_tp the tp rank that
+    gathers the unit's blocks and orthogonalizes it, so the FLOPs even out over both axes.
+    """
     if units:
         world = units[0].layout.num_ranks
+        slots = world * num_tp
         plan = plan_owners(
             [unit.name for unit in units],
             [unit.shape for unit in units],
-            [[unit.piece(rank) for rank in range(world)] for unit in units],
-            world,
+            [[unit.piece(slot // num_tp) for slot in range(slots)] for unit in units],
+            slots,
             ns_steps,
         )
         for unit, assignment in zip(units, plan, strict=True):
-            unit.owner = assignment.owner
+            unit.owner, tp_rank = divmod(assignment.owner, num_tp)
+            unit.tp_rank = tp_rank if num_tp > 1 else None
     return units
 
 

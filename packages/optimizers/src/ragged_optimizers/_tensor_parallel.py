@@ -3,10 +3,10 @@
 A tensor-parallel matrix is split evenly over the tp axis (`Shard(d)`); the dp owner of its
 pieces is the same dp rank on every tp rank (plans depend on shapes alone), so those tp
 ranks hold its blocks. Rather than each gathering the whole and repeating the same
-Newton-Schulz, one of them (in turn, unit by unit, so the work spreads over the tp ranks)
-gathers the blocks, orthogonalizes, and scatters each rank its block: the same bytes as the
-all-gather each way (in bfloat16, which Newton-Schulz computes in), 1/tp of the FLOPs per
-rank.
+Newton-Schulz, one of them (the owner plan's slots are dp owner x tp rank, so the work
+spreads evenly over both axes) gathers the blocks, orthogonalizes, and scatters each rank
+its block: the same bytes as the all-gather each way (in bfloat16, which Newton-Schulz
+computes in), 1/tp of the FLOPs per rank.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def orthogonalize_on_one_rank(
     split: tuple[int, int],
     blocks: list[torch.Tensor],
     orthogonalize: Callable[[torch.Tensor], torch.Tensor],
-    turn: int,
+    owner: int,
 ) -> list[torch.Tensor]:
     """This rank's flat blocks of `orthogonalize` applied to the whole matrices.
 
@@ -33,14 +33,12 @@ def orthogonalize_on_one_rank(
         split: (mesh axis, tensor dim) of the tensor-parallel split.
         blocks: This rank's flat block of each matrix of the unit.
         orthogonalize: (count, full numel) whole flat matrices -> the same, orthogonalized.
-        turn: Which unit this is; tp rank `(turn + dp owner) % tp` computes it, so that
-            the dp owners' first units go to different tp ranks.
+        owner: The tp rank that gathers, orthogonalizes and scatters (the plan's).
     """
     assert layout.mesh is not None
     axis, dim = split
     group = layout.mesh.get_group(axis)
     size, me = layout.mesh.size(axis), layout.mesh.get_local_rank(axis)
-    owner = (turn + layout.rank) % size
     owner_global = dist.get_global_rank(group, owner)
     # Newton-Schulz casts its input to bfloat16 first and returns bfloat16: moving the blocks
     # in bfloat16 both ways gives the same result for half the bytes.
