@@ -223,8 +223,8 @@ COMPAT_EXPORTS = {
         "set_fully_shard_state", "torch_fsdp_methods",
     ],
     "ragged_optimizers._compat": [
-        "all_gather_single", "compile_options", "foreach_add_", "foreach_lerp", "foreach_lerp_", "foreach_mul_",
-        "mark_dims_dynamic",
+        "all_gather_single", "compile_options", "foreach_add_", "foreach_lerp", "foreach_lerp_",
+        "foreach_mul_", "mark_dims_dynamic",
     ],
 }  # fmt: skip
 

@@ -37,3 +37,19 @@ def test_flat_adamw_checkpoint_loads_at_another_world_size_and_engine(
         result = pools[3].run(cases.check_adamw_checkpoint, str(tmp_path), loader, "load")[0]
         gap = max(abs(a - b) for a, b in zip(result["losses"], result["one_process"], strict=True))
         print(f"saved by {saver} at W=4, loaded by {loader} at W=3: loss gap {gap:.1e}")
+
+
+@pytest.mark.parametrize("ns_batch_numel", [2**22, 1], ids=["batched", "one-per-batch"])
+def test_muon_under_hsdp_orthogonalizes_each_matrix_once_in_the_mesh(pools, ns_batch_numel):
+    """fully_shard over 8 Linear(256, 256) on HSDP (2, 2), Muon's defaults: the busiest rank
+    does a quarter of the unique Newton-Schulz work, not half (every replica) or all (one
+    batch of 8 on one owner, as the batching was before owners were balanced)."""
+    from ragged_optimizers import ns_flops
+
+    unique = 8 * ns_flops((256, 256), 5)
+    once = pools[4].run(cases.check_muon_hsdp_on_engine, ns_batch_numel, "auto")
+    per_replica = pools[4].run(cases.check_muon_hsdp_on_engine, ns_batch_numel, False)
+    print(f"busiest rank: {max(once) / unique:.3f} of the unique work (per replica: "
+          f"{max(per_replica) / unique:.3f})")  # fmt: skip
+    assert max(once) / unique <= 0.30 and sum(once) == unique, once
+    assert max(per_replica) / unique == 0.5 and sum(per_replica) == 2 * unique, per_replica

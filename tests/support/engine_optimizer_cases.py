@@ -284,3 +284,53 @@ def check_adamw_checkpoint(directory: str, engine: str, phase: str) -> dict[str,
             got = _full(got) if isinstance(got, DTensor) else got
             torch.testing.assert_close(got, value, atol=2e-4, rtol=1e-3, msg=f"{name} {key}")
     return {"losses": losses, "one_process": one_losses[3:]}
+
+
+# -- Muon under HSDP: each matrix orthogonalized once in the whole mesh --------------------------
+
+
+def check_muon_hsdp_on_engine(ns_batch_numel: int, replica_owners: bool | str) -> int:
+    """8 Linear(256, 256) blocks under fully_shard on a (2, 2) (replicate, shard) mesh with
+    Muon's defaults but those given: 2 steps against one process on the full gradients
+    (bitwise with one matrix per batch; batched products may round apart); returns this
+    rank's Newton-Schulz FLOPs of the last step."""
+    import ragged_optimizers._muon as muon_module
+    from ragged_optimizers import Muon, ns_flops
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(256, 256, bias=False) for _ in range(8)))
+    reference = torch.nn.Sequential(*(torch.nn.Linear(256, 256, bias=False) for _ in range(8)))
+    reference.load_state_dict(model.state_dict())
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    for block in model:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    kwargs: dict[str, Any] = {"lr": 0.02, "ns_batch_numel": ns_batch_numel}
+    opt = Muon(model.parameters(), replica_owners=replica_owners, **kwargs)
+    ref_opt = Muon(reference.parameters(), **kwargs)
+    original = muon_module.newton_schulz
+    flops: list[int] = []
+
+    def counting(x: torch.Tensor, *args: Any, **kw: Any) -> torch.Tensor:
+        flops.append(ns_flops(tuple(x.shape), 5))
+        return original(x, *args, **kw)
+
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(2):
+        model(torch.randn(4, 256, generator=gen)).square().mean().backward()
+        for p, ref in zip(model.parameters(), reference.parameters(), strict=True):
+            ref.grad = _full(p.grad).clone()
+        flops.clear()
+        muon_module.newton_schulz = counting  # type: ignore[assignment]
+        try:
+            opt.step()
+        finally:
+            muon_module.newton_schulz = original
+        ref_opt.step()
+        opt.zero_grad()
+        for p, ref in zip(model.parameters(), reference.parameters(), strict=True):
+            if ns_batch_numel == 1:
+                assert torch.equal(_full(p.detach()), ref.detach())
+            else:
+                torch.testing.assert_close(_full(p.detach()), ref.detach(), atol=1e-4, rtol=0)
+    return sum(flops)

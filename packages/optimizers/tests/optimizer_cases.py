@@ -481,7 +481,7 @@ def check_muon_hsdp(
     replica_owners: bool | str,
     shapes: dict[str, tuple[int, ...]],
     ns_batch_numel: int,
-    flops_per_byte: float = 4096.0,
+    flops_per_byte: float = 2048.0,
 ) -> dict[str, Any]:
     """Muon on a (2, 2) (replicate, shard) mesh against one process: bitwise after 3 steps;
     returns this rank's Newton-Schulz FLOPs (counted, and as `owner_plan()` plans them: slot

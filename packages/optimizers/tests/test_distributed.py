@@ -104,7 +104,7 @@ def test_hsdp_prices_each_matrix_once_in_the_mesh_or_per_replica(pools) -> None:
     pieces = [r["piece"] for r in priced]  # shard rank 0 holds fewer ragged rows than 1
     # Over the replicate axis: each rank's pieces of the other replica's 2 big matrices only.
     assert [r["gathered_bytes"] for r in priced] == [2 * p * 2 for p in pieces], priced
-    # The default price (4096: a GPU cluster's) keeps these small matrices in each replica.
+    # The default price (2048: a GPU cluster's) keeps these small matrices in each replica.
     default = pools[4].run(cases.check_muon_hsdp, "auto", MIXED_MATRICES, 1)
     assert set(default[0]["copies"].values()) == {2}
     assert all(r["gathered_bytes"] == 0 for r in default)

@@ -119,9 +119,10 @@ class Muon(StepOptimizer):
             Newton-Schulz FLOPs are at least `replica_flops_per_byte` x the bytes of its
             update, else in every replica.
         replica_flops_per_byte: The compute rate of Newton-Schulz over the replicate axis'
-            bandwidth per rank, for "auto": 4096 is about 200 TFLOP/s of bfloat16 matmuls
-            on mid-size matrices against 50 GB/s per GPU between nodes, which shares
-            square matrices from about 280 rows up.
+            bandwidth per rank, for "auto": 2048 is about 100 TFLOP/s of bfloat16 matmuls
+            on the mid-size matrices where the choice matters against 50 GB/s per GPU
+            between nodes; with 5 steps it shares square matrices from 137 rows up (an
+            n x n matrix costs 15 n FLOPs per byte of its update).
         tp_owners: Under tensor parallelism, one tp rank (in turn) orthogonalizes each
             matrix and scatters its blocks, instead of every tp rank gathering and
             orthogonalizing it.
@@ -163,7 +164,7 @@ class Muon(StepOptimizer):
         bucket_bytes: int = 32 * 2**20,
         ns_batch_numel: int = 2**22,
         replica_owners: bool | str = "auto",
-        replica_flops_per_byte: float = 4096.0,
+        replica_flops_per_byte: float = 2048.0,
         tp_owners: bool = True,
     ) -> None:
         if not isinstance(tp_owners, bool):
