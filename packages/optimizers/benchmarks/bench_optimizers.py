@@ -16,7 +16,11 @@ slowest rank's median step, FLOPs makespan of the owner plans, bytes each rank s
 and state bytes. First, in this process: AdamW8bit's step (native, compiled, eager) against foreach
 AdamW on plain matrices, one thread, with the compile time (the first step) apart
 (`--adam-only` for just that), and Muon's host cost on an MoE's expert matrices, batched
-against one matrix at a time (`--experts-only` for just that). Writes build/bench/optimizers.json.
+against one matrix at a time (`--experts-only` for just that). At W=4, Muon per mesh (FSDP,
+HSDP 2 x 2, (dp, tp) = (2, 2); `--meshes-only` for just that): this version against the path
+each mesh had before (one batch per shape; every replica; every tp rank) and the redundant
+baseline, with the busiest rank's Newton-Schulz FLOPs counted and the owners' host time
+waiting for pieces against orthogonalizing. Writes build/bench/optimizers.json.
 """
 
 from __future__ import annotations
@@ -711,7 +715,7 @@ def _print_meshes(r: dict[str, Any], args: argparse.Namespace) -> None:
     for row in r["meshes"]:
         for name, t in row["overlap"].items():
             print(
-                f"{names[row['layout']]}, {name}: {t['buckets']:.0f} buckets; the busiest "
+                f"{names[row['layout']]}, {name}: {t['buckets']:.0f} bucket(s); the busiest "
                 f"rank waited {t['wait_s'] * 1e3:.0f} ms for pieces and orthogonalized for "
                 f"{t['orthogonalize_s'] * 1e3:.0f} ms (host time, last step)"
             )
