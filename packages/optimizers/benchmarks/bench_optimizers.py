@@ -127,10 +127,10 @@ class RedundantMuon:
                 if not group["use_muon"]:
                     self.opt._adamw(group)
                     continue
+                inputs = self.opt._momenta(group)  # momentum and weight decay, per run
                 for p in group["params"]:
-                    update = self.opt._momentum(p, group).to(torch.bfloat16)
                     full = DTensor.from_local(
-                        update,
+                        inputs[id(p)],
                         p.device_mesh,
                         p.placements,
                         run_check=False,
@@ -141,7 +141,7 @@ class RedundantMuon:
                     unit = Unit([Item(p, "", layout, torch.empty(0), group)])
                     (o,) = self.opt._orthogonalize_unit(unit, [full.reshape(-1)])
                     lo, hi = layout.local_range
-                    self.opt._apply(p, layout, o[lo:hi], group)
+                    self.opt._apply_unit(unit, [o[lo:hi]])
 
 
 def _timed(step: Any, steps: int) -> list[float]:

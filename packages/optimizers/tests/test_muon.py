@@ -264,3 +264,68 @@ def test_per_head_bad_input_names_the_parameter() -> None:
     conv = torch.nn.Parameter(torch.zeros(8, 4, 3, 3))
     with pytest.raises(ValueError, match=r"params\[0\] of shape \(8, 4, 3, 3\): per-head"):
         Muon([{"params": [conv], "num_heads": 2}])
+
+
+def _one_storage(num_params: int, shape=(6, 4), seed=0):
+    """Parameters viewing one storage (as fully_shard's do), their grads another, and copies."""
+    numel = math.prod(shape)
+    gen = torch.Generator().manual_seed(seed)
+    storage, grads = torch.randn(num_params * numel, generator=gen), torch.zeros(num_params * numel)
+    views = [torch.nn.Parameter(storage[i * numel : (i + 1) * numel].view(shape))
+             for i in range(num_params)]  # fmt: skip
+    grad_views = [grads[i * numel : (i + 1) * numel].view(shape) for i in range(num_params)]
+    return views, grad_views, [torch.nn.Parameter(p.detach().clone()) for p in views]
+
+
+def _lerp_tensors(opt: Muon) -> int:
+    """How many tensors the momentum's foreach lerp is handed in one step."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        handed = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "_foreach_lerp_" in str(func):
+                Count.handed += len(args[0])
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        opt.step()
+    return Count.handed
+
+
+def test_momentum_steps_runs_of_adjacent_pieces_as_one_tensor() -> None:
+    """Views of one storage: one tensor per run for the momentum (16 or 64 matrices alike),
+    bitwise the updates of separate matrices; edits and state dicts still followed."""
+    kwargs = {"lr": 0.02, "weight_decay": 0.1, "ns_batch_numel": 1}
+    for num_params in (16, 64):
+        views, grad_views, copies = _one_storage(num_params)
+        ours, theirs = Muon(views, **kwargs), Muon(copies, **kwargs)
+        gen = torch.Generator().manual_seed(1)
+        for step in range(4):
+            for view, grad, copy_ in zip(views, grad_views, copies, strict=True):
+                grad.copy_(torch.randn(grad.shape, generator=gen))
+                view.grad, copy_.grad = grad, grad.clone()
+            if step == 1:  # a missing gradient cuts the run for a step
+                views[3].grad = copies[3].grad = None
+            if step == 2:  # a user's edit: replaced, then followed
+                for opt, params in ((ours, views), (theirs, copies)):
+                    buf = opt.state[params[5]]["momentum_buffer"]
+                    opt.state[params[5]]["momentum_buffer"] = buf * 0.5
+            handed = (_lerp_tensors(ours), _lerp_tensors(theirs))
+            if step in (0, 3):  # one run, against one tensor per matrix
+                assert handed == (1, num_params), (step, handed)
+            for view, copy_ in zip(views, copies, strict=True):
+                assert torch.equal(view.detach(), copy_.detach()), step
+                assert torch.equal(
+                    ours.state[view]["momentum_buffer"], theirs.state[copy_]["momentum_buffer"]
+                )
+        # Every entry views the run's one momentum tensor; state dicts carry torch's format.
+        pointers = {ours.state[v]["momentum_buffer"].untyped_storage().data_ptr() for v in views}
+        assert len(pointers) == 1
+        loaded = Muon(_one_storage(num_params)[0], **kwargs)
+        loaded.load_state_dict(copy.deepcopy(ours.state_dict()))
+        assert torch.equal(
+            loaded.state_dict()["state"][7]["momentum_buffer"],
+            ours.state_dict()["state"][7]["momentum_buffer"],
+        )

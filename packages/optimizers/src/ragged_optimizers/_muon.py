@@ -26,10 +26,9 @@ from typing import Any
 import torch
 
 from ragged_optimizers._adamw import adamw_step, check_betas, check_nonnegative
-from ragged_optimizers._compat import foreach_add_, foreach_lerp, foreach_lerp_, foreach_mul_
+from ragged_optimizers._compat import foreach_add_
 from ragged_optimizers._layout import ParamLayout, layout_of, local_flat
 from ragged_optimizers._muon_exchange import (
-    COMM_DTYPE,
     Item,
     Unit,
     agree,
@@ -43,6 +42,7 @@ from ragged_optimizers._muon_exchange import (
     send_to_owners,
     tp_size,
 )
+from ragged_optimizers._muon_momentum import momentum_runs, step_momenta
 from ragged_optimizers._muon_replicas import (
     Replicas,
     common_replicas,
@@ -53,6 +53,7 @@ from ragged_optimizers._muon_replicas import (
 from ragged_optimizers._newton_schulz import newton_schulz, resolve_coefficients
 from ragged_optimizers._owner_plan import MatrixAssignment, OwnerPlan, ns_flops
 from ragged_optimizers._per_head import check_heads, head_shape, join_heads, split_heads
+from ragged_optimizers._runs import GroupRuns
 from ragged_optimizers._step import StepOptimizer
 from ragged_optimizers._tensor_parallel import orthogonalize_on_one_rank
 
@@ -195,6 +196,7 @@ class Muon(StepOptimizer):
         self._ns_batch_numel = ns_batch_numel
         self._layouts: dict[int, ParamLayout] = {}
         self._param_names: dict[int, str] = {}
+        self._runs: dict[int, GroupRuns] = {}  # by id of the param group
         # The last step's host time waiting for buckets of pieces vs orthogonalizing them
         # (measured on the host: a CUDA collective's wait returns before its data lands).
         self.exchange_time: dict[str, float] = {}
@@ -353,62 +355,54 @@ class Muon(StepOptimizer):
                     sharded.append(Item(param, name, layout, torch.empty(0), group))
                 elif param.grad is not None:
                     local.append(Item(param, name, layout, torch.empty(0), group))
+        kept = agree(sharded) if sharded else []  # every rank the same matrices, or an error
+        inputs: dict[int, torch.Tensor] = {}
+        for group in self.param_groups:
+            if group["use_muon"]:
+                inputs.update(self._momenta(group))
         for unit in make_units(local, self._ns_batch_numel):
-            updates = self._orthogonalize_unit(unit, self._momenta(unit.items))
+            updates = self._orthogonalize_unit(unit, [inputs[id(i.param)] for i in unit.items])
             self._apply_unit(unit, updates)
-        if sharded:
-            for members in by_process_group(agree(sharded)):
-                for item, update in zip(members, self._momenta(members), strict=True):
-                    item.update = update.to(COMM_DTYPE)
-                owners = members[0].layout.num_ranks
-                for items, replicas, num_tp in self._exchange_groups(members):
-                    if replicas is not None:
-                        self._exchange_over_replicas(items, replicas)
-                    else:
-                        units = make_units(items, self._ns_batch_numel, owners * num_tp)
-                        self._exchange(units, num_tp=num_tp)
-
-    def _momenta(self, items: list[Item]) -> list[torch.Tensor]:
-        """Updates the momentum of each item's local piece; returns what to orthogonalize.
-
-        Multi-tensor (foreach) ops per param group: a few kernel launches for all of them.
-        """
-        out: dict[int, torch.Tensor] = {}
-        by_group: dict[int, list[Item]] = {}
-        for item in items:
-            by_group.setdefault(id(item.group), []).append(item)
-        for members in by_group.values():
-            group = members[0].group
-            grads, bufs = [], []
+        for members in by_process_group(kept):
             for item in members:
-                assert item.param.grad is not None
-                grads.append(local_flat(item.param.grad))
-                state = self.state[item.param]
-                if "momentum_buffer" not in state:
-                    zeros = torch.zeros_like(grads[-1])
-                    state["momentum_buffer"] = item.layout.wrap(zeros, item.param)
-                bufs.append(local_flat(state["momentum_buffer"]))
-            momentum = group["momentum"]
-            foreach_lerp_(bufs, grads, 1 - momentum)
-            updates = foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
-            out.update((id(item), u) for item, u in zip(members, updates, strict=True))
-        return [out[id(item)] for item in items]
+                item.update = inputs[id(item.param)]
+            owners = members[0].layout.num_ranks
+            for items, replicas, num_tp in self._exchange_groups(members):
+                if replicas is not None:
+                    self._exchange_over_replicas(items, replicas)
+                else:
+                    units = make_units(items, self._ns_batch_numel, owners * num_tp)
+                    self._exchange(units, num_tp=num_tp)
+
+    def _momenta(self, group: dict[str, Any]) -> dict[int, torch.Tensor]:
+        """Steps a Muon group's momentum and weight decay per run; the Newton-Schulz inputs.
+
+        Only parameters with a gradient, one tensor per run (`_muon_momentum.py`).
+        """
+        runs = self._runs.get(id(group))
+        if runs is None or not runs.is_current(group["params"]):
+            runs = self._runs[id(group)] = momentum_runs(group["params"], self.state, self._name)
+        return step_momenta(runs, group, self.state)
+
+    def _name(self, param: torch.Tensor) -> str:
+        return self._param_names.get(id(param), "a parameter")
+
+    def _state_changed(self) -> None:
+        """Entries were edited or loaded: the runs re-read them at their next step."""
+        self._runs.clear()
 
     def _apply_unit(self, unit: Unit, updates: list[torch.Tensor]) -> None:
-        """Applies each matrix's (local piece of its) update: the same lr for the whole unit."""
+        """Adds each matrix's (local piece of its) update: the same lr for the whole unit.
+
+        Weight decay came first, in `_momenta`.
+        """
         group = unit.group
         locals_ = [local_flat(item.param) for item in unit.items]
-        foreach_mul_(locals_, 1 - group["lr"] * group["weight_decay"])
         shape = head_shape(
             matrix_shape(unit.layout.full_shape), group.get("num_heads"), group.get("heads_dim", 0)
         )
         lr = adjusted_lr(group["lr"], group["adjust_lr"], shape)
         foreach_add_(locals_, updates, alpha=-lr)
-
-    def _momentum(self, param: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
-        """`_momenta` of one parameter (for callers that go matrix by matrix)."""
-        item = Item(param, "", self._layout(param, ""), torch.empty(0), group)
-        return self._momenta([item])[0]
 
     def _orthogonalize_unit(self, unit: Unit, fulls: list[torch.Tensor]) -> list[torch.Tensor]:
         """The flat orthogonalized update of each of a unit's matrices (full, flat inputs).
@@ -444,12 +438,6 @@ class Muon(StepOptimizer):
             return orthogonalize_on_one_rank(layout, split, fulls, orthogonalize, tp_rank)
         stack = layout.gather_blocks(fulls)  # one collective for the unit
         return list(layout.take_blocks(orthogonalize(stack)).unbind())
-
-    def _apply(
-        self, param: torch.Tensor, layout: ParamLayout, update: torch.Tensor, group: dict[str, Any]
-    ) -> None:
-        """`_apply_unit` of one parameter (for callers that go matrix by matrix)."""
-        self._apply_unit(Unit([Item(param, "", layout, torch.empty(0), group)]), [update])
 
     def _exchange(
         self, units: list[Unit], *, plan: bool = True, apply: bool = True, num_tp: int = 1
