@@ -78,14 +78,19 @@ class Muon(StepOptimizer):
 
     Parameters may be plain tensors (one process), RaggedShard DTensors (DBuffer, fsdp_engine)
     or Shard(0) DTensors (FSDP2); other mesh axes must be Replicate, or, beside a RaggedShard,
-    Shard(d) of tensor / expert parallelism. Matrices sharded over several ranks are
-    orthogonalized once per tensor-parallel rank, by an owner per matrix (see `owner_plan`):
-    with tensor parallelism the owners of a matrix's blocks gather the whole matrix over the
-    tensor-parallel axes, each orthogonalizes it and keeps its block.
+    Shard(d) of tensor / expert parallelism. Each matrix sharded over several ranks is
+    orthogonalized by one owner (see `owner_plan`): under HSDP and for tp-Replicate
+    matrices, once in the mesh where that pays and once per replica elsewhere
+    (`replica_owners`); a tp-split matrix's owner is a (dp rank, tp rank) slot that gathers
+    its blocks (`tp_owners`).
 
     Non-finite gradients are not filtered (as in torch.optim.Muon): a NaN or Inf anywhere in
     a matrix's gradient makes its whole update NaN, on every rank alike. Stop on them with
     `clip_grad_norm_(..., error_if_nonfinite=True)`.
+
+    Attributes:
+        exchange_time: The last step's host time in the owner exchange: "wait_s" waiting
+            for buckets of pieces, "orthogonalize_s" orthogonalizing them, "buckets".
 
     Args:
         params: Parameters, named parameters or param groups. A group with
