@@ -28,6 +28,7 @@ CONFIGS = {
     "deepseek-v3-671b": "DeepseekV3Config",
     "gpt-oss-120b": "GptOssConfig",
     "qwen3-30b-a3b": "Qwen3MoeConfig",
+    "qwen3-235b-a22b": "Qwen3MoeConfig",
 }
 
 
@@ -92,7 +93,7 @@ def test_printed_calls_apply_verbatim_and_make_the_planned_groups(preset_name) -
 @pytest.mark.parametrize(
     ("preset_name", "num_ranks", "uses_ep"),
     [("deepseek-v3-671b", 1024, True), ("gpt-oss-120b", 64, True), ("qwen3-30b-a3b", 64, True),
-     ("llama3-70b", 128, False)],
+     ("qwen3-235b-a22b", 512, True), ("llama3-70b", 128, False)],
 )  # fmt: skip
 def test_advise_output_runs_as_printed(
     preset_name, num_ranks, uses_ep, capsys, monkeypatch

@@ -15,6 +15,7 @@ EXPECTED_PARAMS = {
     "gpt-oss-120b": 116_829_156_672,
     "qwen3-30b-a3b": 30_532_122_624,
     "qwen3-30b-a3b-per-expert": 30_532_122_624,
+    "qwen3-235b-a22b": 235_093_634_560,  # the Hugging Face card's 235B, to the parameter
     # Not a released model: its config (in the file) gives this count; a scale test.
     "synthetic-moe-2.4t": 2_406_393_769_984,
 }

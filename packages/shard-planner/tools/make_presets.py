@@ -198,18 +198,34 @@ def gpt_oss_120b() -> dict[str, Any]:
     return decoder("gpt-oss-120b", "openai/gpt-oss-120b config.json (fused experts)", cfg, layer)
 
 
-def qwen3_30b_a3b(fused: bool = True) -> dict[str, Any]:
-    cfg = {
-        "vocab_size": 151936,
-        "hidden_size": 2048,
-        "num_hidden_layers": 48,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 4,
-        "head_dim": 128,
-        "num_experts": 128,
-        "moe_intermediate_size": 768,
-        "tie_word_embeddings": False,
-    }
+QWEN3_30B_A3B = {
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "moe_intermediate_size": 768,
+    "tie_word_embeddings": False,
+}
+QWEN3_235B_A22B = {
+    "vocab_size": 151936,
+    "hidden_size": 4096,
+    "num_hidden_layers": 94,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "moe_intermediate_size": 1536,
+    "tie_word_embeddings": False,
+}
+
+
+def qwen3_moe(
+    name: str, model: str, cfg: dict[str, Any], fused: bool = True
+) -> dict[str, Any]:
+    """A Qwen3-MoE model (every layer sparse), from its Hugging Face id and config values."""
     h, hd = cfg["hidden_size"], cfg["head_dim"]
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
     num_experts, inter = cfg["num_experts"], cfg["moe_intermediate_size"]
@@ -233,10 +249,10 @@ def qwen3_30b_a3b(fused: bool = True) -> dict[str, Any]:
             ]
     layer += [t("input_layernorm.weight", h), t("post_attention_layernorm.weight", h)]
     if fused:
-        source = "Qwen/Qwen3-30B-A3B config.json, as transformers 5 builds it (experts fused)"
-        return decoder("qwen3-30b-a3b", source, cfg, layer)
-    source = "Qwen/Qwen3-30B-A3B config.json, one module per expert (checkpoint names)"
-    return decoder("qwen3-30b-a3b-per-expert", source, cfg, layer)
+        source = f"{model} config.json, as transformers 5 builds it (experts fused)"
+        return decoder(name, source, cfg, layer)
+    source = f"{model} config.json, one module per expert (checkpoint names)"
+    return decoder(f"{name}-per-expert", source, cfg, layer)
 
 
 LLAMA_VOCAB = 128256
@@ -310,8 +326,9 @@ def main() -> None:
             fused=False,
         ),
         gpt_oss_120b(),
-        qwen3_30b_a3b(),
-        qwen3_30b_a3b(fused=False),
+        qwen3_moe("qwen3-30b-a3b", "Qwen/Qwen3-30B-A3B", QWEN3_30B_A3B),
+        qwen3_moe("qwen3-30b-a3b", "Qwen/Qwen3-30B-A3B", QWEN3_30B_A3B, fused=False),
+        qwen3_moe("qwen3-235b-a22b", "Qwen/Qwen3-235B-A22B", QWEN3_235B_A22B),
         # Not a released model: a scale test for the planner, about 2.4 trillion parameters.
         deepseek_v3(
             "synthetic-moe-2.4t",
