@@ -222,9 +222,7 @@ QWEN3_235B_A22B = {
 }
 
 
-def qwen3_moe(
-    name: str, model: str, cfg: dict[str, Any], fused: bool = True
-) -> dict[str, Any]:
+def qwen3_moe(name: str, model: str, cfg: dict[str, Any], fused: bool = True) -> dict[str, Any]:
     """A Qwen3-MoE model (every layer sparse), from its Hugging Face id and config values."""
     h, hd = cfg["hidden_size"], cfg["head_dim"]
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
