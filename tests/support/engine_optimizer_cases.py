@@ -293,7 +293,10 @@ def check_muon_hsdp_on_engine(ns_batch_numel: int, replica_owners: bool | str) -
     """8 Linear(256, 256) blocks under fully_shard on a (2, 2) (replicate, shard) mesh with
     Muon's defaults but those given: 2 steps against one process on the full gradients
     (bitwise with one matrix per batch; batched products may round apart); returns this
-    rank's Newton-Schulz FLOPs of the last step."""
+    rank's matmul FLOPs of the last step, counted by torch's FlopCounterMode (the
+    Newton-Schulz products: Muon's other passes are elementwise)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
     import ragged_optimizers._muon as muon_module
     from ragged_optimizers import Muon, ns_flops
 
@@ -323,9 +326,12 @@ def check_muon_hsdp_on_engine(ns_batch_numel: int, replica_owners: bool | str) -
         flops.clear()
         muon_module.newton_schulz = counting  # type: ignore[assignment]
         try:
-            opt.step()
+            with FlopCounterMode(display=False) as counter:
+                opt.step()
         finally:
             muon_module.newton_schulz = original
+        # The profiler's count is the Newton-Schulz count from the shapes it ran on.
+        assert counter.get_total_flops() == sum(flops), (counter.get_total_flops(), flops)
         ref_opt.step()
         opt.zero_grad()
         for p, ref in zip(model.parameters(), reference.parameters(), strict=True):
@@ -333,4 +339,4 @@ def check_muon_hsdp_on_engine(ns_batch_numel: int, replica_owners: bool | str) -
                 assert torch.equal(_full(p.detach()), ref.detach())
             else:
                 torch.testing.assert_close(_full(p.detach()), ref.detach(), atol=1e-4, rtol=0)
-    return sum(flops)
+    return int(counter.get_total_flops())
