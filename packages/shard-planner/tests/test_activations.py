@@ -43,17 +43,20 @@ def _model(experts: int = 0) -> list[GroupSpec]:
 # and the head's input and logits H + V.
 BLOCK = 2 * H + 4 * H + 2 * H + 3 * (H + F)
 REST = H + H + (H + V)
+LOSS = 12 * V  # bytes per token: the fp32 loss's log-softmax output and two gradients
 
 
 def test_each_matmul_keeps_its_input_and_output_and_a_norm_its_input() -> None:
     acts = ActivationModel(seq_len=32, micro_batch=2)
-    assert acts.bytes_for(_model(), compute_bytes=2) == 64 * (2 * BLOCK + REST) * 2
+    assert acts.bytes_for(_model(), compute_bytes=2) == 64 * ((2 * BLOCK + REST) * 2 + LOSS)
+    fused_loss = ActivationModel(seq_len=32, micro_batch=2, loss_bytes_per_logit=0)
+    assert fused_loss.bytes_for(_model(), compute_bytes=2) == 64 * (2 * BLOCK + REST) * 2
     # Routed experts: top_k of E per token, plus the router's input and logits.
     moe = ActivationModel(seq_len=32, micro_batch=2, top_k=2)
     routed = (H + E) + 2 / E * E * 3 * (H + F)
     block = BLOCK - 3 * (H + F)
     assert moe.bytes_for(_model(E), compute_bytes=2) == round(
-        64 * (2 * (block + routed) + REST) * 2
+        64 * ((2 * (block + routed) + REST) * 2 + LOSS)
     )
     with pytest.raises(ValueError, match="routes tokens to 4 experts: give top_k"):
         ActivationModel(seq_len=32).bytes_for(_model(E), compute_bytes=2)
@@ -61,9 +64,15 @@ def test_each_matmul_keeps_its_input_and_output_and_a_norm_its_input() -> None:
 
 def test_checkpointing_keeps_block_inputs_and_recomputes_one_block() -> None:
     acts = ActivationModel(seq_len=32, micro_batch=2, checkpointing=True)
+    assert BLOCK * 2 > LOSS  # here the recomputed block is the larger of the two peaks
     assert acts.bytes_for(_model(), compute_bytes=2) == 64 * (REST + 2 * H + BLOCK) * 2
     scaled = ActivationModel(seq_len=32, micro_batch=2, checkpointing=True, scale=1.5)
     assert scaled.bytes_for(_model(), compute_bytes=2) == 64 * (1.5 * (REST + BLOCK) + 2 * H) * 2
+    # The loss's peak comes before any block recomputes: the larger one counts, not both.
+    big_loss = ActivationModel(seq_len=32, micro_batch=2, checkpointing=True,
+                               loss_bytes_per_logit=100)  # fmt: skip
+    assert 100 * V > BLOCK * 2
+    assert big_loss.bytes_for(_model(), compute_bytes=2) == 64 * ((REST + 2 * H) * 2 + 100 * V)
 
 
 def test_estimate_counts_activations_and_recompute() -> None:
@@ -75,7 +84,15 @@ def test_estimate_counts_activations_and_recompute() -> None:
     assert full.memory_bytes == plain.memory_bytes + full.activation_bytes
     ac = estimate(groups, shard_size=8, compute_bytes=2,
                   activations=ActivationModel(seq_len=8192, checkpointing=True))  # fmt: skip
-    assert ac.checkpointing and ac.activation_bytes < full.activation_bytes / 5
+    # Checkpointing keeps the blocks' inputs; the fp32 loss's 12 bytes per logit (here 12 GB
+    # of the 17) stay.
+    assert ac.checkpointing and ac.activation_bytes < full.activation_bytes / 3
+    fused_loss = {"seq_len": 8192, "loss_bytes_per_logit": 0}
+    no_loss = estimate(groups, shard_size=8, compute_bytes=2,
+                       activations=ActivationModel(**fused_loss))  # fmt: skip
+    fused_loss_ac = ActivationModel(**fused_loss, checkpointing=True)
+    no_loss_ac = estimate(groups, shard_size=8, compute_bytes=2, activations=fused_loss_ac)
+    assert no_loss_ac.activation_bytes < no_loss.activation_bytes / 5
     compute = ComputeModel(tokens_per_rank=8192)
     timed = estimate(groups, shard_size=8, compute=compute, activations=acts)
     recomputed = estimate(groups, shard_size=8, compute=compute, activations=ActivationModel(
@@ -169,3 +186,20 @@ def test_command_line_prices_activations_and_searches_the_settings(capsys) -> No
     assert (
         "expected a comma-separated list of fp32, bf16, fp16, got 'fp8'" in capsys.readouterr().err
     )
+
+
+def test_torchtitan_llama3_8b_at_32k_with_full_checkpointing() -> None:
+    """torchtitan's published run (8 H100, FSDP 8, bf16, 32K tokens, full AC): 83.9 GiB.
+
+    Without the fp32 loss the estimate was 40.4 GiB (0.48x); the loss's 12 bytes per logit
+    over 32,768 x 128,256 logits are most of the rest.
+    """
+    groups = load_preset("llama3-8b").groups
+    acts = ActivationModel(seq_len=32768, checkpointing=True)
+    compute = ComputeModel(tokens_per_rank=32768, seq_len=32768)
+    est = estimate(groups, shard_size=8, compute_bytes=2, activations=acts, compute=compute)
+    assert 0.8 < est.memory_bytes / (83.9 * 2**30) < 1.2, est.memory_bytes / 2**30
+    # Attention at 32K: 12 x 4096 x 32768 per token and block, 32 blocks, beside 6 N.
+    attention = 12 * 4096 * 32768 * 32
+    plain = estimate(groups, shard_size=8, compute=ComputeModel(tokens_per_rank=32768))
+    assert est.flops_per_token == pytest.approx(plain.flops_per_token + attention)

@@ -115,3 +115,20 @@ def test_a_deeper_prefetch_hides_a_large_gather_behind_several_groups() -> None:
     assert deep.all_gather_bytes == base.all_gather_bytes
     with pytest.raises(ValueError, match="prefetch must be"):
         estimate(groups, shard_size=8, prefetch=0)
+
+
+def test_attention_width_reads_query_projections_and_fused_qkv() -> None:
+    from shard_planner import GroupSpec
+    from shard_planner._compute import attention_width
+
+    shapes = {
+        "layers.0.self_attn.q_proj.weight": (4096, 4096),
+        "layers.0.self_attn.k_proj.weight": (1024, 4096),
+        "layers.0.mlp.up_proj.weight": (14336, 4096),
+    }
+    llama = GroupSpec.from_shapes("layers.0", shapes)
+    fused = GroupSpec.from_shapes("layers.0", {"layers.0.attn.wqkv.weight": (3 * 512, 512)})
+    mlp = GroupSpec.from_shapes("layers.0", {"layers.0.mlp.w1.weight": (1376, 512)})
+    assert [attention_width(g) for g in (llama, fused, mlp)] == [4096, 512, 0]
+    with pytest.raises(ValueError, match="seq_len must be an int >= 1 or None, got 0"):
+        ComputeModel(tokens_per_rank=8, seq_len=0)

@@ -15,6 +15,13 @@ mean, rsqrt and two products, rotary as slices and products) keeps more: `scale`
 the count by the ratio measured on the model's own code (the example decoder of the source
 repository: 1.25 dense, 1.28 MoE).
 
+The loss: a cross-entropy that upcasts the logits to fp32 (torch's `cross_entropy` on
+`logits.float()`, as torchtitan and transformers compute it) holds, in its backward, the
+log-softmax output it saved, that output's gradient and the logits' gradient, 4 bytes each
+per logit: `loss_bytes_per_logit` 12 (0 for a fused or chunked loss that never holds them).
+The vocabulary is the first dim of the embedding (a 2-D tensor named `embed`). That peak
+comes first in backward, with every kept activation alive but before any block recomputes.
+
 One micro-batch's activations are alive at once (`seq_len x micro_batch` tokens): gradient
 accumulation frees each before the next. With activation checkpointing on every block (a
 group named with a block index, `layers.7`, and the expert groups split off it), a block keeps
@@ -47,6 +54,8 @@ class ActivationModel:
         top_k: Routed experts each token runs (needed when the model has experts).
         checkpointing: Activation checkpointing of every block.
         scale: Measured activations over this count for the model's kernels (1: fused).
+        loss_bytes_per_logit: Bytes the loss holds per logit at its backward (12: an fp32
+            cross-entropy's log-softmax output, its gradient and the logits' gradient).
 
     Example:
         >>> layer = GroupSpec.from_shapes("layers.0", {"layers.0.norm.weight": (64,),
@@ -60,6 +69,7 @@ class ActivationModel:
     top_k: int | None = None
     checkpointing: bool = False
     scale: float = 1.0
+    loss_bytes_per_logit: int = 12
 
     def __post_init__(self) -> None:
         check_count("seq_len", self.seq_len, 1)
@@ -71,6 +81,7 @@ class ActivationModel:
         scale: object = self.scale
         if isinstance(scale, bool) or not isinstance(scale, int | float) or not 0 < scale < 1e6:
             raise ValueError(f"scale must be a positive number, got {scale!r}")
+        check_count("loss_bytes_per_logit", self.loss_bytes_per_logit, 0)
 
     @property
     def tokens(self) -> int:
@@ -80,18 +91,41 @@ class ActivationModel:
     def bytes_for(self, groups: Sequence[GroupSpec], *, compute_bytes: int) -> int:
         """Peak activation bytes of one micro-batch over `groups` (module docstring)."""
         share = routed_share(groups, self.top_k)
-        scaled, unscaled = _per_token(tuple(groups), share, self.checkpointing)
-        return round(self.tokens * (scaled * self.scale + unscaled) * compute_bytes)
+        kept, block_inputs, recomputed = _per_token(tuple(groups), share, self.checkpointing)
+        loss = vocab_size(groups) * self.loss_bytes_per_logit
+        always = (kept * self.scale + block_inputs) * compute_bytes
+        # The loss's backward comes before any block's: the two peaks do not meet.
+        return round(self.tokens * (always + max(recomputed * self.scale * compute_bytes, loss)))
+
+
+def vocab_size(groups: Sequence[GroupSpec]) -> int:
+    """The vocabulary: the first dim of the largest 2-D tensor named `embed` (0 if none).
+
+    Example:
+        >>> vocab_size([GroupSpec.from_shapes("embed", {"tok_embed.weight": (32000, 64)})])
+        32000
+    """
+    sizes = [
+        e.shape[0]
+        for g in groups
+        for e in g.entries
+        if "embed" in e.name and e.shape is not None and len(e.shape) == 2
+    ]
+    return max(sizes, default=0)
 
 
 @functools.lru_cache(maxsize=256)  # advise asks at every split: the same groups
 def _per_token(
     groups: tuple[GroupSpec, ...], share: float, checkpointing: bool
-) -> tuple[float, int]:
-    """(elements per token the kernels keep, block inputs kept whole) at the peak."""
+) -> tuple[float, int, float]:
+    """Elements per token at the peak: kept, block inputs, the largest block recomputed.
+
+    (What the kernels keep, the block inputs kept whole under checkpointing, and the largest
+    block's activations, alive again while its backward recomputes it.)
+    """
     kept = [_kept_per_token(g, share) for g in groups]
     if not checkpointing:
-        return sum(kept), 0
+        return sum(kept), 0, 0.0
     blocks: dict[int, float] = {}  # block index -> its activations per token
     inputs: dict[int, int] = {}  # block index -> its input width
     rest = 0.0
@@ -102,9 +136,8 @@ def _per_token(
             continue
         blocks[index] = blocks.get(index, 0.0) + per_token
         inputs[index] = max(inputs.get(index, 0), _input_width(group))
-    # The largest block is alive again while its backward recomputes it; a block's input is
-    # one tensor whatever its kernels (not scaled).
-    return rest + max(blocks.values(), default=0.0), sum(inputs.values())
+    # A block's input is one tensor whatever its kernels (not scaled).
+    return rest, sum(inputs.values()), max(blocks.values(), default=0.0)
 
 
 def _kept_per_token(group: GroupSpec, share: float) -> float:

@@ -218,6 +218,7 @@ def _cost_options(args: argparse.Namespace) -> dict[str, Any]:
             overlap=args.overlap,
             memory_gbps=args.memory_gbps,
             host_overhead_s=args.host_overhead_ms / 1e3,
+            seq_len=args.seq_len,
         )
     activations = None
     if args.seq_len:
@@ -227,6 +228,7 @@ def _cost_options(args: argparse.Namespace) -> dict[str, Any]:
             args.top_k,
             checkpointing=getattr(args, "checkpointing", False),
             scale=args.activation_scale,
+            loss_bytes_per_logit=args.loss_bytes_per_logit,
         )
     return {
         "compute": compute,

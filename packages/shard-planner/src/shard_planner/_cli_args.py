@@ -26,6 +26,17 @@ def positive(text: str) -> int:
     return value
 
 
+def non_negative(text: str) -> int:
+    """An integer >= 0, at most 1024 (a byte count per element)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= value <= 1024:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1024], got {value}")
+    return value
+
+
 def ranks(text: str) -> int:
     """A rank count: an integer in [1, MAX_WORLD_SIZE]."""
     value = positive(text)
@@ -211,6 +222,13 @@ def _add_compute_options(p: argparse.ArgumentParser) -> None:
         type=positive_float,
         default=1.0,
         help="measured activations over the shape count (1: fused kernels)",
+    )
+    p.add_argument(
+        "--loss-bytes-per-logit",
+        type=non_negative,
+        default=12,
+        help="bytes the loss holds per logit in its backward (12: an fp32 cross-entropy's "
+        "log-softmax output, its gradient and the logits' gradient; 0: a fused loss)",
     )
     p.add_argument("--json", help="also write the result as JSON to this file")
 

@@ -3,7 +3,10 @@
 FLOPs: a token runs every weight matrix of its path once forward (2 FLOPs per parameter)
 and twice backward (4): 6 per parameter, over the matrices (2+ dims) that are not
 embeddings (a lookup), and over routed experts only `top_k` of the model's experts. Attention
-scores (which grow with the sequence) are not counted. Time: FLOPs / (peak x MFU).
+adds, given the sequence length s, 12 x d x s per token and attention block (QK^T and the
+product with V, 2 x d x s each forward, twice that backward), d the query projection's
+output width (`attention_width`); as torchtitan counts it, causal masking not discounted and
+sliding windows counted whole. Time: FLOPs / (peak x MFU).
 
 Step: FSDP gathers the next group while this one computes, and reduces a group's gradients
 while the one before it runs backward. `step_time` runs the two streams: forward
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -49,6 +53,7 @@ class ComputeModel:
         host_overhead_s: Host work per step that no FLOP or byte explains (the framework's
             hooks, the optimizer's per-tensor dispatch), seconds: what a one-rank step
             takes beyond its compute and update (`tools/validate_step.py` measures it).
+        seq_len: Tokens per sequence, for attention's FLOPs (None: not counted).
 
     Example:
         >>> ComputeModel(tokens_per_rank=8192, mfu=0.5).flops_per_second
@@ -63,11 +68,17 @@ class ComputeModel:
     overlap: float = 1.0
     memory_gbps: float = 3350.0
     host_overhead_s: float = 0.0
+    seq_len: int | None = None
 
     def __post_init__(self) -> None:
         tokens: object = self.tokens_per_rank  # user input: check what came
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
             raise ValueError(f"tokens_per_rank must be an int >= 1, got {tokens!r}")
+        seq_len: object = self.seq_len
+        if seq_len is not None and (
+            isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1
+        ):
+            raise ValueError(f"seq_len must be an int >= 1 or None, got {seq_len!r}")
         top_k: object = self.top_k
         if top_k is not None and (
             isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1
@@ -124,6 +135,34 @@ def matmul_params(
         dense, routed = _matmul_split(group)
         out.append(dense + routed * share)
     return out
+
+
+_QUERY = re.compile(r"(^|\.)(q_proj|wq|query|q_b_proj)\.weight$")
+_FUSED_QKV = re.compile(r"(^|\.)(wqkv|qkv_proj|qkv|query_key_value)\.weight$")
+
+
+@functools.lru_cache(maxsize=4096)
+def attention_width(group: GroupSpec) -> int:
+    """The query projection's output width d (heads x head dim) of a group's attention.
+
+    A fused q/k/v projection counts a third of its rows (equal q, k and v widths); 0 for a
+    group without attention.
+
+    Example:
+        >>> attention_width(GroupSpec.from_shapes("layers.0", {
+        ...     "layers.0.self_attn.q_proj.weight": (4096, 4096),
+        ...     "layers.0.self_attn.k_proj.weight": (1024, 4096)}))
+        4096
+    """
+    width = 0
+    for entry in group.entries:
+        if entry.shape is None or len(entry.shape) != 2:
+            continue
+        if _QUERY.search(entry.name):
+            width += entry.shape[0]
+        elif _FUSED_QKV.search(entry.name):
+            width += entry.shape[0] // 3
+    return width
 
 
 def routed_share(

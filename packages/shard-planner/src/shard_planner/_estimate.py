@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shard_planner._activations import RECOMPUTE, ActivationModel
-from shard_planner._compute import ComputeModel, matmul_params, step_time
+from shard_planner._compute import ComputeModel, attention_width, matmul_params, step_time
 from shard_planner._estimate_checks import (
     MIN_8BIT_NUMEL,
     QUANT_BLOCK,
@@ -254,18 +254,22 @@ def _timing(
 ) -> dict[str, float]:
     """The compute, update and step time fields of an Estimate (`_compute.py`)."""
     params = matmul_params(groups, compute.top_k)
+    seq_len = compute.seq_len or 0
+    per_token = [
+        6 * p + 12 * attention_width(g) * seq_len for p, g in zip(params, groups, strict=True)
+    ]
     work = [
-        6 * p * compute.tokens_per_rank / compute.flops_per_second
+        flops * compute.tokens_per_rank / compute.flops_per_second
         # A checkpointed block runs its forward again in backward.
         * (RECOMPUTE if checkpointing and block_index(g.name) is not None else 1.0)
-        for p, g in zip(params, groups, strict=True)
+        for flops, g in zip(per_token, groups, strict=True)
     ]  # fmt: skip
     update = streamed_bytes / (compute.memory_gbps * 1e9)
     overlapped = step_time(work, gathers, reduces, compute.overlap, regather, prefetch)
     return {
         "compute_time_s": sum(work),
         "step_time_s": overlapped + a2a_time + update + compute.host_overhead_s,
-        "flops_per_token": 6 * sum(params),
+        "flops_per_token": sum(per_token),
         "optimizer_time_s": update,
         "host_s": compute.host_overhead_s,
     }
