@@ -558,32 +558,14 @@ TP_MANY = {  # 8 column- and 8 row-parallel matrices, one matrix per batch
 TP_REPLICATED = {f"rep{i}": ((32, 40), Replicate()) for i in range(8)}
 
 
-def check_muon_tp_replicated_flops(replica_owners: bool) -> int:
-    """This rank's Newton-Schulz FLOPs of one step on 8 tp-Replicate matrices at (2, 2)."""
-    _, _, params = _tp_params(TP_REPLICATED, 1, seed=5)
-    opt = Muon(list(params.items()), lr=0.02, replica_owners=replica_owners)
-    grads = _full_tensors({n: shape for n, (shape, _) in TP_REPLICATED.items()}, 301)
-    for name, grad in grads.items():
-        params[name].grad = distribute_tensor(
-            grad, params[name].device_mesh, params[name].placements
-        )
-    flops: list[int] = []
-    muon, original, counting = _counting_ns(flops)
-    muon.newton_schulz = counting  # type: ignore[assignment]
-    try:
-        opt.step()
-    finally:
-        muon.newton_schulz = original
-    return sum(flops)
-
-
-def check_muon_tp_flops(tp_owners: bool) -> dict[str, int]:
-    """This rank's Newton-Schulz FLOPs of one step on TP_MANY at (dp, tp) = (2, 2) (a
-    tp-Replicate matrix would still be orthogonalized on every tp rank)."""
-    specs = TP_MANY
-    _, _, params = _tp_params(specs, 1, seed=7)
-    opt = Muon(list(params.items()), lr=0.02, tp_owners=tp_owners, ns_batch_numel=1)
-    grads = _full_tensors({n: shape for n, (shape, _) in specs.items()}, 300)
+def _tp_step_counted(
+    specs: dict[str, tuple[tuple[int, ...], Any]], seed: int, **kwargs: Any
+) -> tuple[dict[str, torch.nn.Parameter], Muon, int, CommCounter]:
+    """One Muon step on (dp, tp) = (2, 2) parameters: (params, optimizer, this rank's
+    Newton-Schulz FLOPs, the step's collectives)."""
+    _, _, params = _tp_params(specs, 1, seed=seed)
+    opt = Muon(list(params.items()), lr=0.02, **kwargs)
+    grads = _full_tensors({n: shape for n, (shape, _) in specs.items()}, 300 + seed)
     for name, grad in grads.items():
         params[name].grad = distribute_tensor(
             grad, params[name].device_mesh, params[name].placements
@@ -596,6 +578,18 @@ def check_muon_tp_flops(tp_owners: bool) -> dict[str, int]:
             opt.step()
     finally:
         muon.newton_schulz = original
+    return params, opt, sum(flops), comms
+
+
+def check_muon_tp_replicated_flops(replica_owners: bool) -> int:
+    """This rank's Newton-Schulz FLOPs of one step on 8 tp-Replicate matrices at (2, 2)."""
+    return _tp_step_counted(TP_REPLICATED, 5, replica_owners=replica_owners)[2]
+
+
+def check_muon_tp_flops(tp_owners: bool) -> dict[str, int]:
+    """This rank's Newton-Schulz FLOPs of one step on TP_MANY at (dp, tp) = (2, 2), and
+    the bytes it sent over tp; its bytes over dp checked against the formula."""
+    params, opt, flops, comms = _tp_step_counted(TP_MANY, 7, tp_owners=tp_owners, ns_batch_numel=1)
     # Over dp, the 1-D formula on each matrix's tp block (see check_muon_matches_single_process).
     mesh = params["col0"].device_mesh
     dp_rank, dp_size = mesh.get_local_rank(0), mesh.size(0)
@@ -611,5 +605,5 @@ def check_muon_tp_flops(tp_owners: bool) -> dict[str, int]:
         assert over_tp == 0, comms.collectives
     else:  # the plan's slot for this rank: what it computes, as planned
         slot = mesh.get_local_rank(1) * dp_size + dp_rank
-        assert sum(flops) == plan.loads[slot], (sum(flops), plan.loads)
-    return {"flops": sum(flops), "tp_bytes": over_tp}
+        assert flops == plan.loads[slot], (flops, plan.loads)
+    return {"flops": flops, "tp_bytes": over_tp}
