@@ -66,15 +66,23 @@ def _full_tensors(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, to
     return {n: torch.randn(s, generator=gen) for n, s in shapes.items()}
 
 
-def check_muon_matches_single_process(kind: str, bucket_bytes: int) -> dict[str, Any]:
+def _one_process_and_sharded(
+    shapes: dict[str, tuple[int, ...]], kind: str
+) -> tuple[Any, int, dict[str, torch.nn.Parameter], dict[str, torch.nn.Parameter]]:
+    """(mesh, world, full-tensor parameters, the same sharded over every rank by `kind`)."""
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
-    full = _full_tensors(MUON_SHAPES, 0)
+    full = _full_tensors(shapes, 0)
     ref = {n: torch.nn.Parameter(t.clone()) for n, t in full.items()}
     dist_params = {
         n: torch.nn.Parameter(distribute_tensor(t, mesh, _placements(n, t.shape, world, kind)))
         for n, t in full.items()
     }
+    return mesh, world, ref, dist_params
+
+
+def check_muon_matches_single_process(kind: str, bucket_bytes: int) -> dict[str, Any]:
+    mesh, world, ref, dist_params = _one_process_and_sharded(MUON_SHAPES, kind)
     kwargs = {"lr": 0.02, "weight_decay": 0.1, "bucket_bytes": bucket_bytes}
     ref_opt = Muon(list(ref.items()), **kwargs)
     opt = Muon(list(dist_params.items()), **kwargs)
@@ -135,14 +143,7 @@ def muon_per_head(params: dict[str, torch.nn.Parameter], **kwargs: Any) -> Muon:
 
 def check_muon_per_head(kind: str) -> None:
     """Per-head Muon on ragged rows (cutting heads) or Shard(0) against one process, bitwise."""
-    world = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
-    full = _full_tensors(HEAD_SHAPES, 0)
-    ref = {n: torch.nn.Parameter(t.clone()) for n, t in full.items()}
-    dist_params = {
-        n: torch.nn.Parameter(distribute_tensor(t, mesh, _placements(n, t.shape, world, kind)))
-        for n, t in full.items()
-    }
+    mesh, _, ref, dist_params = _one_process_and_sharded(HEAD_SHAPES, kind)
     ref_opt, opt = muon_per_head(ref), muon_per_head(dist_params)
     for step in range(3):
         for n, g in _full_tensors(HEAD_SHAPES, 100 + step).items():
