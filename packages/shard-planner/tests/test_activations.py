@@ -203,3 +203,22 @@ def test_torchtitan_llama3_8b_at_32k_with_full_checkpointing() -> None:
     attention = 12 * 4096 * 32768 * 32
     plain = estimate(groups, shard_size=8, compute=ComputeModel(tokens_per_rank=32768))
     assert est.flops_per_token == pytest.approx(plain.flops_per_token + attention)
+
+
+def test_each_micro_batch_gathers_and_reduces_again() -> None:
+    """FSDP's default under gradient accumulation: 8 micro-batches, 8x the collectives."""
+    groups = load_preset("llama3-8b").groups
+    compute = ComputeModel(tokens_per_rank=32768)
+    one = estimate(groups, shard_size=8, compute_bytes=2, compute=compute,
+                   activations=ActivationModel(seq_len=32768, checkpointing=True))  # fmt: skip
+    eight = estimate(groups, shard_size=8, compute_bytes=2, compute=compute,
+                     activations=ActivationModel(seq_len=4096, checkpointing=True))  # fmt: skip
+    assert (one.micro_batches, eight.micro_batches) == (1, 8)
+    assert eight.all_gather_bytes == 8 * one.all_gather_bytes
+    assert eight.reduce_scatter_bytes == 8 * one.reduce_scatter_bytes
+    assert eight.comm_time_s == pytest.approx(8 * one.comm_time_s)
+    assert eight.compute_time_s == pytest.approx(one.compute_time_s)  # the same tokens
+    assert eight.step_time_s > one.step_time_s  # 8 exposed first gathers and last reduces
+    with pytest.raises(ValueError, match=r"tokens_per_rank 32,768 must be a whole number"):
+        estimate(groups, shard_size=8, compute=compute,
+                 activations=ActivationModel(seq_len=5000))  # fmt: skip

@@ -36,6 +36,10 @@ def format_estimate(est: Estimate) -> str:
             "peak per rank" + ("" if est.activation_bytes else ", no activations"),
             f"{est.memory_bytes / _GIB:.3f} GiB",
         ),
+        (
+            "micro-batches per step",
+            f"{est.micro_batches} (each gathers and reduce-scatters: FSDP's default)",
+        ),
         ("all-gather sent per rank per step", f"{est.all_gather_bytes / _GIB:.3f} GiB"),
         ("reduce-scatter sent per rank per step", f"{est.reduce_scatter_bytes / _GIB:.3f} GiB"),
         ("all-reduce sent per rank per step", f"{est.all_reduce_bytes / _GIB:.3f} GiB"),

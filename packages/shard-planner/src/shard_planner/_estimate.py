@@ -70,6 +70,7 @@ class Estimate:
     reshard_after_forward: bool = True
     prefetch: int = 1
     dense_shard_size: int | None = None
+    micro_batches: int = 1
 
     def __post_init__(self) -> None:
         for name in ("shard_size", "replicate_size"):
@@ -241,6 +242,25 @@ def _spans(
     return out
 
 
+def micro_batches(compute: ComputeModel | None, activations: ActivationModel | None) -> int:
+    """Micro-batches per step: a rank's tokens per step over one micro-batch's.
+
+    1 without both models.
+
+    Raises:
+        ValueError: The tokens per step are not a whole number of micro-batches.
+    """
+    if compute is None or activations is None:
+        return 1
+    count, left = divmod(compute.tokens_per_rank, activations.tokens)
+    if count < 1 or left:
+        raise ValueError(
+            f"tokens_per_rank {compute.tokens_per_rank:,} must be a whole number of "
+            f"micro-batches of seq_len x micro_batch = {activations.tokens:,} tokens"
+        )
+    return count
+
+
 def _timing(
     compute: ComputeModel,
     groups: Sequence[GroupSpec],
@@ -251,8 +271,13 @@ def _timing(
     reduces: list[float],
     regather: list[float],
     prefetch: int,
+    micro_batches: int = 1,
 ) -> dict[str, float]:
-    """The compute, update and step time fields of an Estimate (`_compute.py`)."""
+    """The compute, update and step time fields of an Estimate (`_compute.py`).
+
+    Each micro-batch runs its share of the compute with every collective once more (FSDP's
+    default schedule under gradient accumulation); the update runs once per step.
+    """
     params = matmul_params(groups, compute.top_k)
     seq_len = compute.seq_len or 0
     per_token = [
@@ -265,7 +290,10 @@ def _timing(
         for flops, g in zip(per_token, groups, strict=True)
     ]  # fmt: skip
     update = streamed_bytes / (compute.memory_gbps * 1e9)
-    overlapped = step_time(work, gathers, reduces, compute.overlap, regather, prefetch)
+    per_micro_batch = [w / micro_batches for w in work]
+    overlapped = micro_batches * step_time(
+        per_micro_batch, gathers, reduces, compute.overlap, regather, prefetch
+    )
     return {
         "compute_time_s": sum(work),
         "step_time_s": overlapped + a2a_time + update + compute.host_overhead_s,
@@ -463,6 +491,9 @@ def estimate(
               ranks_per_node, check_count("rails", rails, 1))  # fmt: skip
     gathers, reduces = collective_times(shard_sizes, spans, w, r, net, gathered, grad_bytes)
     checkpointing = activations is not None and activations.checkpointing
+    # FSDP's default schedule under gradient accumulation: every micro-batch gathers for
+    # its forward and backward and reduce-scatters its gradients.
+    micro = micro_batches(compute_model, activations)
     timing: dict[str, float] = {}
     a2a_bytes, a2a_time = 0, 0.0
     if compute_model is not None:
@@ -473,7 +504,7 @@ def estimate(
         streamed = 3 * total * param_bytes + 2 * max(optimizer_by_rank)
         regather = gathers if reshard_after_forward else [0.0] * len(gathers)
         timing = _timing(compute_model, original, checkpointing, streamed, a2a_time,
-                         gathers, reduces, regather, prefetch)  # fmt: skip
+                         gathers, reduces, regather, prefetch, micro)  # fmt: skip
     sent = [(span.width - 1) * s for span, s in zip(spans, shard_sizes, strict=True)]
     cast_bytes = grad_bytes if grad_bytes != param_bytes else 0  # the reduce dtype's copy
     # A group's copies (HSDP replicas, a dense sub-mesh's copies) all-reduce its gradients.
@@ -488,13 +519,13 @@ def estimate(
         unsharded_bytes=max(full) * gathered,
         prefetch_unsharded_bytes=max(pairs) * gathered,
         reduce_scatter_input_bytes=max(full) * (param_bytes + cast_bytes),
-        all_gather_bytes=gathers_per_group * sum(sent) * gathered,
-        reduce_scatter_bytes=sum(sent) * grad_bytes,
-        all_reduce_bytes=sum(copied) * grad_bytes,
+        all_gather_bytes=micro * gathers_per_group * sum(sent) * gathered,
+        reduce_scatter_bytes=micro * sum(sent) * grad_bytes,
+        all_reduce_bytes=micro * sum(copied) * grad_bytes,
         padding_elements=covered - numel,
         padding_bytes=(covered - numel) * param_bytes,
         numel=numel,
-        comm_time_s=gathers_per_group * sum(gathers) + sum(reduces) + a2a_time,
+        comm_time_s=micro * (gathers_per_group * sum(gathers) + sum(reduces)) + a2a_time,
         expert_parallel=ep,
         all_to_all_bytes=a2a_bytes,
         activation_bytes=activations.bytes_for(original, compute_bytes=gathered)
@@ -503,5 +534,6 @@ def estimate(
         reshard_after_forward=reshard_after_forward,
         prefetch=prefetch,
         dense_shard_size=dense_shard_size,
+        micro_batches=micro,
         **timing,
     )  # fmt: skip
