@@ -7,6 +7,7 @@ import pytest
 from shard_planner import (
     ActivationModel,
     ComputeModel,
+    Estimate,
     GroupSpec,
     advise,
     estimate,
@@ -222,3 +223,38 @@ def test_each_micro_batch_gathers_and_reduces_again() -> None:
     with pytest.raises(ValueError, match=r"tokens_per_rank 32,768 must be a whole number"):
         estimate(groups, shard_size=8, compute=compute,
                  activations=ActivationModel(seq_len=5000))  # fmt: skip
+
+
+def test_selective_checkpointing_keeps_the_other_blocks_whole() -> None:
+    """(1, 2): block 1 of the two is checkpointed, block 0 keeps its activations."""
+    half = ActivationModel(seq_len=32, micro_batch=2, checkpointing=True,
+                           checkpoint_ratio=(1, 2), loss_bytes_per_logit=0)  # fmt: skip
+    # Kept: the rest, block 0 whole, block 1's input, and block 1 again while recomputed.
+    assert half.bytes_for(_model(), compute_bytes=2) == 64 * (REST + BLOCK + H + BLOCK) * 2
+    groups = load_preset("llama3-8b").groups
+    compute = ComputeModel(tokens_per_rank=8192)
+
+    def estimated(ratio: tuple[int, int]) -> Estimate:
+        acts = ActivationModel(seq_len=8192, checkpointing=True, checkpoint_ratio=ratio)
+        return estimate(groups, shard_size=8, compute=compute, compute_bytes=2, activations=acts)
+
+    by_ratio = {ratio: estimated(ratio) for ratio in ((1, 1), (3, 4), (1, 2), (1, 4))}
+    memory = [e.memory_bytes for e in by_ratio.values()]
+    compute_s = [e.compute_time_s for e in by_ratio.values()]
+    assert memory == sorted(memory) and compute_s == sorted(compute_s, reverse=True)
+    # 8 of the 32 blocks recomputed at 1/4: a quarter of full checkpointing's extra compute.
+    plain = estimate(groups, shard_size=8, compute=compute, compute_bytes=2)
+    extra = [c - plain.compute_time_s for c in compute_s]
+    assert extra[3] == pytest.approx(extra[0] / 4)
+    for bad in ((0, 1), (3, 2), (1, 65), (1.0, 2)):
+        with pytest.raises(ValueError, match="checkpoint_ratio must be"):
+            ActivationModel(seq_len=8, checkpointing=True, checkpoint_ratio=bad)
+
+
+def test_advise_fills_memory_with_fewer_checkpointed_blocks_when_compute_bound() -> None:
+    groups = load_preset("llama3-8b").groups
+    best = advise(groups, num_ranks=64, ranks_per_node=8, memory_bytes=80 * 2**30,
+                  compute_bytes=2, compute=ComputeModel(tokens_per_rank=16384, seq_len=8192),
+                  activations=ActivationModel(seq_len=8192))[0]  # fmt: skip
+    # Without checkpointing nothing fits at 8 x 8; with every block it recomputes 32 blocks.
+    assert best.estimate.checkpointing and best.estimate.checkpoint_ratio == (1, 4), best

@@ -52,7 +52,11 @@ class ActivationModel:
         seq_len: Tokens per sequence.
         micro_batch: Sequences per micro-batch (one micro-batch's activations are alive).
         top_k: Routed experts each token runs (needed when the model has experts).
-        checkpointing: Activation checkpointing of every block.
+        checkpointing: Activation checkpointing of blocks (see `checkpoint_ratio`).
+        checkpoint_ratio: With checkpointing, (p, q): p of every q blocks, spread evenly
+            (block i when (i + 1) * p // q > i * p // q; (1, 1): every block, (1, 2): every
+            other one, as torchtitan's selective layer AC); the others keep their
+            activations and are not recomputed.
         scale: Measured activations over this count for the model's kernels (1: fused).
         loss_bytes_per_logit: Bytes the loss holds per logit at its backward (12: an fp32
             cross-entropy's log-softmax output, its gradient and the logits' gradient).
@@ -70,6 +74,7 @@ class ActivationModel:
     checkpointing: bool = False
     scale: float = 1.0
     loss_bytes_per_logit: int = 12
+    checkpoint_ratio: tuple[int, int] = (1, 1)
 
     def __post_init__(self) -> None:
         check_count("seq_len", self.seq_len, 1)
@@ -82,6 +87,7 @@ class ActivationModel:
         if isinstance(scale, bool) or not isinstance(scale, int | float) or not 0 < scale < 1e6:
             raise ValueError(f"scale must be a positive number, got {scale!r}")
         check_count("loss_bytes_per_logit", self.loss_bytes_per_logit, 0)
+        check_ratio(self.checkpoint_ratio)
 
     @property
     def tokens(self) -> int:
@@ -91,11 +97,47 @@ class ActivationModel:
     def bytes_for(self, groups: Sequence[GroupSpec], *, compute_bytes: int) -> int:
         """Peak activation bytes of one micro-batch over `groups` (module docstring)."""
         share = routed_share(groups, self.top_k)
-        kept, block_inputs, recomputed = _per_token(tuple(groups), share, self.checkpointing)
+        ratio = self.checkpoint_ratio if self.checkpointing else None
+        kept, block_inputs, recomputed = _per_token(tuple(groups), share, ratio)
         loss = vocab_size(groups) * self.loss_bytes_per_logit
         always = (kept * self.scale + block_inputs) * compute_bytes
         # The loss's backward comes before any block's: the two peaks do not meet.
         return round(self.tokens * (always + max(recomputed * self.scale * compute_bytes, loss)))
+
+
+def check_ratio(ratio: object) -> tuple[int, int]:
+    """A checkpoint ratio (p, q): integers with 1 <= p <= q <= 64.
+
+    Example:
+        >>> check_ratio((0, 2))
+        Traceback (most recent call last):
+        ...
+        ValueError: checkpoint_ratio must be (p, q), integers with 1 <= p <= q <= 64, got (0, 2)
+    """
+    ok = (
+        isinstance(ratio, tuple)
+        and len(ratio) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) for x in ratio)
+        and 1 <= ratio[0] <= ratio[1] <= 64
+    )
+    if not ok:
+        raise ValueError(
+            f"checkpoint_ratio must be (p, q), integers with 1 <= p <= q <= 64, got {ratio!r}"
+        )
+    return ratio  # type: ignore[return-value]
+
+
+def is_checkpointed(index: int | None, ratio: tuple[int, int] | None) -> bool:
+    """Whether block `index` (None: not a block) is checkpointed, p of every q spread evenly.
+
+    Example:
+        >>> [is_checkpointed(i, (3, 4)) for i in range(5)], is_checkpointed(None, (1, 1))
+        ([False, True, True, True, False], False)
+    """
+    if index is None or ratio is None:
+        return False
+    p, q = ratio
+    return (index + 1) * p // q > index * p // q
 
 
 def vocab_size(groups: Sequence[GroupSpec]) -> int:
@@ -116,7 +158,7 @@ def vocab_size(groups: Sequence[GroupSpec]) -> int:
 
 @functools.lru_cache(maxsize=256)  # advise asks at every split: the same groups
 def _per_token(
-    groups: tuple[GroupSpec, ...], share: float, checkpointing: bool
+    groups: tuple[GroupSpec, ...], share: float, ratio: tuple[int, int] | None
 ) -> tuple[float, int, float]:
     """Elements per token at the peak: kept, block inputs, the largest block recomputed.
 
@@ -124,14 +166,14 @@ def _per_token(
     block's activations, alive again while its backward recomputes it.)
     """
     kept = [_kept_per_token(g, share) for g in groups]
-    if not checkpointing:
+    if ratio is None:  # no checkpointing
         return sum(kept), 0, 0.0
     blocks: dict[int, float] = {}  # block index -> its activations per token
     inputs: dict[int, int] = {}  # block index -> its input width
     rest = 0.0
     for group, per_token in zip(groups, kept, strict=True):
         index = block_index(group.name)
-        if index is None:
+        if index is None or not is_checkpointed(index, ratio):
             rest += per_token
             continue
         blocks[index] = blocks.get(index, 0.0) + per_token

@@ -244,7 +244,16 @@ def _checkpointing(activations: ActivationModel | None) -> list[ActivationModel 
         return [None]
     if not isinstance(activations, ActivationModel):
         raise TypeError(f"activations must be an ActivationModel, got {activations!r}")
-    return [dataclasses.replace(activations, checkpointing=c) for c in (False, True)]
+    # No checkpointing; every block; 3 in 4, 1 in 2, 1 in 4 (the memory left between).
+    variants: list[ActivationModel | None] = [dataclasses.replace(activations, checkpointing=False)]
+    variants += [
+        dataclasses.replace(activations, checkpointing=True, checkpoint_ratio=ratio)
+        for ratio in CHECKPOINT_RATIOS
+    ]
+    return variants
+
+
+CHECKPOINT_RATIOS = ((1, 1), (3, 4), (1, 2), (1, 4))  # checkpointed blocks: p of every q
 
 
 def _dense_sizes(

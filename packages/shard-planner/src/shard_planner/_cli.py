@@ -227,6 +227,7 @@ def _cost_options(args: argparse.Namespace) -> dict[str, Any]:
             args.micro_batch,
             args.top_k,
             checkpointing=getattr(args, "checkpointing", False),
+            checkpoint_ratio=getattr(args, "checkpoint_ratio", (1, 1)),
             scale=args.activation_scale,
             loss_bytes_per_logit=args.loss_bytes_per_logit,
         )

@@ -10,6 +10,7 @@ import argparse
 import math
 from collections.abc import Callable, Sequence
 
+from shard_planner._activations import check_ratio
 from shard_planner._estimate_checks import OPTIMIZERS
 from shard_planner._plan import ORDERS
 from shard_planner._presets import preset_names
@@ -35,6 +36,17 @@ def non_negative(text: str) -> int:
     if not 0 <= value <= 1024:
         raise argparse.ArgumentTypeError(f"must be in [0, 1024], got {value}")
     return value
+
+
+def checkpoint_ratio(text: str) -> tuple[int, int]:
+    """'P/Q': checkpoint P of every Q blocks."""
+    p, sep, q = text.partition("/")
+    try:
+        return check_ratio((int(p), int(q)) if sep else (0, 0))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected P/Q with integers 1 <= P <= Q <= 64 (e.g. 3/4), got {text!r}"
+        ) from None
 
 
 def ranks(text: str) -> int:
@@ -375,7 +387,14 @@ def add_estimate_options(p: argparse.ArgumentParser) -> None:
         "--replicate-size", type=ranks, default=1, help="replicas (HSDP); 1 is plain FSDP"
     )
     p.add_argument(
-        "--checkpointing", action="store_true", help="activation checkpointing of every block"
+        "--checkpointing", action="store_true", help="activation checkpointing of blocks"
+    )
+    p.add_argument(
+        "--checkpoint-ratio",
+        type=checkpoint_ratio,
+        default=(1, 1),
+        metavar="P/Q",
+        help="with --checkpointing, checkpoint P of every Q blocks, spread evenly (1/1: all)",
     )
     p.add_argument(
         "--dense-shard-size",

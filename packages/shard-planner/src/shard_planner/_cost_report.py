@@ -29,7 +29,8 @@ def format_estimate(est: Estimate) -> str:
         ),
         ("reduce-scatter input (largest)", f"{est.reduce_scatter_input_bytes / _GIB:.3f} GiB"),
         (
-            "activations" + (" (checkpointing every block)" if est.checkpointing else ""),
+            "activations"
+            + (f" (checkpointing {checkpointed_blocks(est)})" if est.checkpointing else ""),
             f"{est.activation_bytes / _GIB:.3f} GiB",
         ),
         (
@@ -117,12 +118,31 @@ def memory_parts(est: Estimate) -> str:
     return f"{text} = {est.memory_bytes / _GIB:.1f} GiB"
 
 
+def checkpointed_blocks(est: Estimate) -> str:
+    """Which blocks an estimate checkpoints, in words and as a rule on the block index i.
+
+    Example:
+        >>> from dataclasses import replace
+        >>> from shard_planner import estimate, load_preset
+        >>> est = estimate(load_preset("llama3-8b").groups[:3], shard_size=2)
+        >>> checkpointed_blocks(est)
+        'every block'
+        >>> checkpointed_blocks(replace(est, checkpoint_ratio=(3, 4)))
+        '3 of every 4 blocks (block i when (i + 1) * 3 // 4 > i * 3 // 4)'
+    """
+    p, q = est.checkpoint_ratio
+    if p == q:
+        return "every block"
+    return f"{p} of every {q} blocks (block i when (i + 1) * {p} // {q} > i * {p} // {q})"
+
+
 def plan_name(candidate: Candidate) -> str:
     """The grouping and every setting that differs from FSDP's defaults and AdamW in fp32."""
     est = candidate.estimate
     parts = [granularity_name(candidate.expert_groups, est.expert_parallel)]
     if est.checkpointing:
-        parts.append("AC")
+        p, q = est.checkpoint_ratio
+        parts.append("AC" if p == q else f"AC {p}/{q}")
     if not est.reshard_after_forward:
         parts.append("kept gathered")
     if est.prefetch > 1:

@@ -10,7 +10,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shard_planner._activations import RECOMPUTE, ActivationModel
+from shard_planner._activations import RECOMPUTE, ActivationModel, is_checkpointed
 from shard_planner._compute import ComputeModel, attention_width, matmul_params, step_time
 from shard_planner._estimate_checks import (
     MIN_8BIT_NUMEL,
@@ -71,6 +71,7 @@ class Estimate:
     prefetch: int = 1
     dense_shard_size: int | None = None
     micro_batches: int = 1
+    checkpoint_ratio: tuple[int, int] = (1, 1)
 
     def __post_init__(self) -> None:
         for name in ("shard_size", "replicate_size"):
@@ -264,7 +265,7 @@ def micro_batches(compute: ComputeModel | None, activations: ActivationModel | N
 def _timing(
     compute: ComputeModel,
     groups: Sequence[GroupSpec],
-    checkpointing: bool,
+    checkpoint_ratio: tuple[int, int] | None,
     streamed_bytes: int,
     a2a_time: float,
     gathers: list[float],
@@ -286,7 +287,7 @@ def _timing(
     work = [
         flops * compute.tokens_per_rank / compute.flops_per_second
         # A checkpointed block runs its forward again in backward.
-        * (RECOMPUTE if checkpointing and block_index(g.name) is not None else 1.0)
+        * (RECOMPUTE if is_checkpointed(block_index(g.name), checkpoint_ratio) else 1.0)
         for flops, g in zip(per_token, groups, strict=True)
     ]  # fmt: skip
     update = streamed_bytes / (compute.memory_gbps * 1e9)
@@ -491,6 +492,7 @@ def estimate(
               ranks_per_node, check_count("rails", rails, 1))  # fmt: skip
     gathers, reduces = collective_times(shard_sizes, spans, w, r, net, gathered, grad_bytes)
     checkpointing = activations is not None and activations.checkpointing
+    ratio = activations.checkpoint_ratio if activations and checkpointing else None
     # FSDP's default schedule under gradient accumulation: every micro-batch gathers for
     # its forward and backward and reduce-scatters its gradients.
     micro = micro_batches(compute_model, activations)
@@ -503,7 +505,7 @@ def estimate(
         # The update reads parameters, gradients and state, and writes parameters and state.
         streamed = 3 * total * param_bytes + 2 * max(optimizer_by_rank)
         regather = gathers if reshard_after_forward else [0.0] * len(gathers)
-        timing = _timing(compute_model, original, checkpointing, streamed, a2a_time,
+        timing = _timing(compute_model, original, ratio, streamed, a2a_time,
                          gathers, reduces, regather, prefetch, micro)  # fmt: skip
     sent = [(span.width - 1) * s for span, s in zip(spans, shard_sizes, strict=True)]
     cast_bytes = grad_bytes if grad_bytes != param_bytes else 0  # the reduce dtype's copy
@@ -531,6 +533,7 @@ def estimate(
         activation_bytes=activations.bytes_for(original, compute_bytes=gathered)
         if activations else 0,
         checkpointing=checkpointing,
+        checkpoint_ratio=ratio or (1, 1),
         reshard_after_forward=reshard_after_forward,
         prefetch=prefetch,
         dense_shard_size=dense_shard_size,

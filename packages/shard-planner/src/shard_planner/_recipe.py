@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from shard_planner._advise import Candidate
-from shard_planner._cost_report import memory_parts
+from shard_planner._cost_report import checkpointed_blocks, memory_parts
 from shard_planner._expert_parallel import expert_groups_under_ep
 from shard_planner._granularity import fully_shard_calls, split_experts
 from shard_planner._presets import GroupSpec
@@ -86,7 +86,8 @@ def setup_lines(
         ")",
     ]
     if est.checkpointing:
-        lines.append("# activation checkpointing of every block first (checkpoint_wrapper)")
+        which = checkpointed_blocks(est)
+        lines.append(f"# activation checkpointing of {which} first (checkpoint_wrapper)")
     return lines
 
 
