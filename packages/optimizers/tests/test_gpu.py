@@ -1,9 +1,10 @@
-"""AdamW8bit on CUDA: the compiled (Triton) update against the CPU's bits."""
+"""On CUDA: AdamW8bit's compiled (Triton) update against the CPU's bits; Muon's runs and
+heads against separate matrices on the same device."""
 
 import pytest
 import torch
 
-from ragged_optimizers import AdamW8bit
+from ragged_optimizers import AdamW8bit, Muon
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,3 +39,23 @@ def test_cuda_compiled_update_matches_cpu() -> None:
     for codes, reference in ((m_codes, cpu[1]), (v_codes, cpu[3])):
         moved = (codes.int() - reference.int()).abs()
         assert moved.max() <= 1 and (moved > 0).float().mean() < 1e-3
+
+
+def test_muon_runs_and_heads_on_cuda_equal_separate_matrices() -> None:
+    """Matrices viewing one CUDA storage (one run) and per-head groups: the same bits as
+    separate copies of them, whose heads are batched the same way."""
+    gen = torch.Generator().manual_seed(0)
+    storage = torch.randn(8 * 64 * 32, generator=gen).cuda()
+    views = [torch.nn.Parameter(storage[i * 2048 : (i + 1) * 2048].view(64, 32)) for i in range(8)]
+    copies = [torch.nn.Parameter(v.detach().clone()) for v in views]
+    groups = lambda ps: [{"params": ps[:4]}, {"params": ps[4:], "num_heads": 4}]  # noqa: E731
+    ours, theirs = Muon(groups(views), weight_decay=0.1), Muon(groups(copies), weight_decay=0.1)
+    for _ in range(3):
+        grads = torch.randn(8 * 64 * 32, generator=gen).cuda()
+        for i, (view, copy) in enumerate(zip(views, copies, strict=True)):
+            view.grad = grads[i * 2048 : (i + 1) * 2048].view(64, 32)
+            copy.grad = view.grad.clone()
+        ours.step()
+        theirs.step()
+        for view, copy in zip(views, copies, strict=True):
+            assert torch.equal(view.detach(), copy.detach())
