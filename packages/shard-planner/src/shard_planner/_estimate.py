@@ -243,6 +243,20 @@ def _spans(
     return out
 
 
+def _all_to_all(
+    compute: ComputeModel | None,
+    groups: Sequence[GroupSpec],
+    ep: int,
+    gathered: int,
+    num_ranks: int,
+    net: Net,
+) -> tuple[int, float]:
+    """Expert parallelism's token all-to-alls per step: (bytes sent per rank, seconds)."""
+    if compute is None or ep == 1:
+        return 0, 0.0
+    return all_to_all(compute, num_moe_blocks(groups), ep, gathered, num_ranks, net)
+
+
 def micro_batches(compute: ComputeModel | None, activations: ActivationModel | None) -> int:
     """Micro-batches per step: a rank's tokens per step over one micro-batch's.
 
@@ -491,17 +505,11 @@ def estimate(
     net = Net((intra_node_gbps * 1e9, inter_node_gbps * 1e9), latency_us, hop_latency_us,
               ranks_per_node, check_count("rails", rails, 1))  # fmt: skip
     gathers, reduces = collective_times(shard_sizes, spans, w, r, net, gathered, grad_bytes)
-    checkpointing = activations is not None and activations.checkpointing
-    ratio = activations.checkpoint_ratio if activations and checkpointing else None
-    # FSDP's default schedule under gradient accumulation: every micro-batch gathers for
-    # its forward and backward and reduce-scatters its gradients.
-    micro = micro_batches(compute_model, activations)
+    ratio = activations.checkpoint_ratio if activations and activations.checkpointing else None
+    micro = micro_batches(compute_model, activations)  # each gathers and reduces (FSDP's way)
     timing: dict[str, float] = {}
-    a2a_bytes, a2a_time = 0, 0.0
+    a2a_bytes, a2a_time = _all_to_all(compute_model, groups, ep, gathered, w * r, net)
     if compute_model is not None:
-        if ep > 1:
-            moe_blocks = num_moe_blocks(groups)
-            a2a_bytes, a2a_time = all_to_all(compute_model, moe_blocks, ep, gathered, w * r, net)
         # The update reads parameters, gradients and state, and writes parameters and state.
         streamed = 3 * total * param_bytes + 2 * max(optimizer_by_rank)
         regather = gathers if reshard_after_forward else [0.0] * len(gathers)
@@ -532,7 +540,7 @@ def estimate(
         all_to_all_bytes=a2a_bytes,
         activation_bytes=activations.bytes_for(original, compute_bytes=gathered)
         if activations else 0,
-        checkpointing=checkpointing,
+        checkpointing=ratio is not None,
         checkpoint_ratio=ratio or (1, 1),
         reshard_after_forward=reshard_after_forward,
         prefetch=prefetch,
