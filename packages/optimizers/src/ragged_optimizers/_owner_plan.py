@@ -38,7 +38,9 @@ class MatrixAssignment:
         index: Position in the optimizer's list of sharded Muon matrices.
         name: The parameter's name (its FQN when the optimizer was given names).
         shape: The global shape.
-        owner: The rank (on the shard axis) that gathers and orthogonalizes it.
+        owner: The slot that gathers and orthogonalizes it: the rank on the shard axis, or
+            under HSDP / tensor parallelism a slot of the replicate (or tp) x shard ranks,
+            replica (tp rank) owner // W, shard rank owner % W (see `Muon.owner_plan`).
         flops: Newton-Schulz FLOPs per step.
         elements_in: Elements sent to the owner per step (those it does not hold).
         elements_out: Elements of the update sent back per step (the same count).
