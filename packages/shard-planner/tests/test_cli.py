@@ -76,6 +76,9 @@ def test_plan_summary_from_a_group_file(tmp_path, capsys) -> None:
     assert "2 tensors, 121 elements" in capsys.readouterr().out
 
 
+ESTIMATE_8B = ["estimate", "--preset", "llama3-8b", "--shard-size", "8"]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -157,46 +160,15 @@ def test_plan_summary_from_a_group_file(tmp_path, capsys) -> None:
             "expected a comma-separated list of integers >= 0, got 'x'",
         ),
         (
-            [
-                "estimate",
-                "--preset",
-                "llama3-8b",
-                "--shard-size",
-                "8",
-                "--seq-len",
-                "8",
-                "--checkpointing",
-                "--checkpoint-ratio",
-                "5/4",
-            ],
+            [*ESTIMATE_8B, "--seq-len", "8", "--checkpointing", "--checkpoint-ratio", "5/4"],
             "expected P/Q with integers 1 <= P <= Q <= 64 (e.g. 3/4), got '5/4'",
         ),
         (
-            [
-                "estimate",
-                "--preset",
-                "llama3-8b",
-                "--shard-size",
-                "8",
-                "--seq-len",
-                "8",
-                "--loss-bytes-per-logit",
-                "-1",
-            ],
+            [*ESTIMATE_8B, "--seq-len", "8", "--loss-bytes-per-logit", "-1"],
             "must be in [0, 1024], got -1",
         ),
         (
-            [
-                "estimate",
-                "--preset",
-                "llama3-8b",
-                "--shard-size",
-                "8",
-                "--seq-len",
-                "8192",
-                "--tokens-per-rank",
-                "4096",
-            ],
+            [*ESTIMATE_8B, "--seq-len", "8192", "--tokens-per-rank", "4096"],
             "tokens_per_rank 4,096 must be a whole number of micro-batches",
         ),
         (
