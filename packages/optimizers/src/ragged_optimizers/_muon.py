@@ -52,7 +52,7 @@ from ragged_optimizers._muon_replicas import (
 )
 from ragged_optimizers._newton_schulz import newton_schulz, resolve_coefficients
 from ragged_optimizers._owner_plan import MatrixAssignment, OwnerPlan, ns_flops
-from ragged_optimizers._per_head import check_heads, head_shape, join_heads, split_heads
+from ragged_optimizers._per_head import check_heads, join_heads, split_heads
 from ragged_optimizers._runs import GroupRuns
 from ragged_optimizers._step import StepOptimizer
 from ragged_optimizers._tensor_parallel import orthogonalize_on_one_rank
@@ -403,10 +403,8 @@ class Muon(StepOptimizer):
         """
         group = unit.group
         locals_ = [local_flat(item.param) for item in unit.items]
-        shape = head_shape(
-            matrix_shape(unit.layout.full_shape), group.get("num_heads"), group.get("heads_dim", 0)
-        )
-        lr = adjusted_lr(group["lr"], group["adjust_lr"], shape)
+        # A head's (rows, cols) in per-head groups: Newton-Schulz's last two dims.
+        lr = adjusted_lr(group["lr"], group["adjust_lr"], unit.shape)
         foreach_add_(locals_, updates, alpha=-lr)
 
     def _orthogonalize_unit(self, unit: Unit, fulls: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -421,7 +419,7 @@ class Muon(StepOptimizer):
         )
         layout = unit.layout
 
-        num_heads, heads_dim = unit.group.get("num_heads"), unit.group.get("heads_dim", 0)
+        num_heads, heads_dim = unit.heads
 
         def orthogonalize(stack: torch.Tensor) -> torch.Tensor:
             whole = stack.view(unit.stack_shape)

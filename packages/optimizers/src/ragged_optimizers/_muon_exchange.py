@@ -76,10 +76,14 @@ class Unit:
         return shape if len(self.items) == 1 else (len(self.items), *shape)
 
     @property
+    def heads(self) -> tuple[int | None, int]:
+        """The group's (num_heads, heads_dim): (None, 0) orthogonalizes whole matrices."""
+        return self.group.get("num_heads"), self.group.get("heads_dim", 0)
+
+    @property
     def shape(self) -> tuple[int, ...]:
         """What Newton-Schulz sees: `stack_shape`, split into heads in per-head groups."""
-        group = self.group
-        return head_shape(self.stack_shape, group.get("num_heads"), group.get("heads_dim", 0))
+        return head_shape(self.stack_shape, *self.heads)
 
     @property
     def numel(self) -> int:
@@ -142,8 +146,8 @@ def _balanced_batch(count: int, num_owners: int) -> int:
 
 def tp_size(unit: Unit) -> int:
     """The tensor-parallel axis' size when one splits the unit's matrices, else 1."""
-    split = unit.layout.tensor_parallel()
     layout = unit.layout
+    split = layout.tensor_parallel()
     return 1 if split is None or layout.mesh is None else layout.mesh.size(split[0])
 
 

@@ -20,7 +20,7 @@ import torch
 
 from ragged_optimizers._compat import foreach_lerp, foreach_lerp_, foreach_mul_
 from ragged_optimizers._muon_exchange import COMM_DTYPE
-from ragged_optimizers._runs import GroupRuns, Run
+from ragged_optimizers._runs import GroupRuns
 from ragged_placement import local_pieces
 
 MOMENTUM = "momentum_buffer"
@@ -50,7 +50,7 @@ def momentum_runs(
                 )
             run.part(flat, i, i + 1).copy_(piece)
             entry[MOMENTUM] = run.exposed(i, flat)
-        _started(run, [i for i, _ in held])
+        run.set_counts([i for i, _ in held], 1)  # has momentum (Muon keeps no step count)
     return runs
 
 
@@ -72,7 +72,7 @@ def step_momenta(runs: GroupRuns, group: dict[str, Any], state: Any) -> dict[int
         if run.counts[lo] == 0:  # their first step: their entries view the run's zeros
             for i in range(lo, hi):
                 state[run.params[i]][MOMENTUM] = run.exposed(i, flat)
-            _started(run, range(lo, hi))
+            run.set_counts(range(lo, hi), 1)
         bufs.append(run.part(flat, lo, hi))
     grads = [segment.grad for segment in segments]
     momentum = group["momentum"]
@@ -90,11 +90,3 @@ def step_momenta(runs: GroupRuns, group: dict[str, Any], state: Any) -> dict[int
                 run.positions[i] - start : run.positions[i + 1] - start
             ]
     return out
-
-
-def _started(run: Run, indices: Sequence[int] | range) -> None:
-    """Marks parameters as having momentum (a count of 1: Muon keeps no step count)."""
-    for i in indices:
-        run.counts[i] = 1
-        run.steps[i] = 1
-    run.uniform = len(set(run.counts)) == 1

@@ -120,15 +120,20 @@ class Run:
             self.steps[lo:hi] = count
             self.uniform = len(set(self.counts)) == 1
 
+    def set_counts(self, indices: Sequence[int], count: int) -> None:
+        """Sets the count of the parameters at `indices` (one `uniform` update for all)."""
+        for i in indices:
+            self.counts[i] = count
+            self.steps[i] = count
+        self.uniform = len(set(self.counts)) == 1
+
     def load_counts(self, index: int, step: object, name: str) -> None:
         """Sets parameter `index`'s count from a loaded `state["step"]` (a number or tensor)."""
         if isinstance(step, torch.Tensor):
             step = step.item()
         if not isinstance(step, int | float):
             raise ValueError(f"load_state_dict: the state of {name} has no 'step' ({step!r})")
-        self.counts[index] = int(step)
-        self.steps[index] = self.counts[index]
-        self.uniform = len(set(self.counts)) == 1
+        self.set_counts([index], int(step))
 
     def exposed(self, index: int, flat_state: torch.Tensor) -> torch.Tensor:
         """Parameter `index`'s view of a flat state tensor, laid out like the parameter."""
