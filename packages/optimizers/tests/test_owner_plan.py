@@ -64,3 +64,27 @@ def test_bad_input() -> None:
         plan_owners([], [], [], 0, 5)
     with pytest.raises(ValueError, match="2 piece sizes for 3 ranks"):
         plan_owners(["a"], [(2, 2)], [[2, 2]], 3, 5)
+
+
+def test_owner_plan_totals_and_bad_input() -> None:
+    from ragged_optimizers import MatrixAssignment, OwnerPlan
+
+    # Slot 1 does "b" once; "a" is done by both replicas (slots 0 and 2) of a 2 x 2 mesh.
+    a = MatrixAssignment(0, "a", (4, 4), 0, 100, 8, 8, num_copies=2)
+    b = MatrixAssignment(1, "b", (4, 4), 1, 60, 8, 8)
+    plan = OwnerPlan((a, b), 4)
+    assert plan.loads == [100, 60, 100, 0] and plan.makespan == 100
+    assert plan.lower_bound == 100  # the largest matrix; the even share is ceil(260 / 4) = 65
+    assert list(plan) == [a, b] and plan[1] is b
+    assert "1.000x the lower bound" in str(plan)
+    with pytest.raises(
+        ValueError, match=r"a is owned by slot 0 with 2 copies: it needs at least 2"
+    ):
+        OwnerPlan((a,), 1)
+    with pytest.raises(ValueError, match=r"num_slots must be an int >= 0, got -1"):
+        OwnerPlan((), -1)
+    with pytest.raises(ValueError, match=r"initial_loads must be 2 FLOP counts"):
+        plan_owners(["a"], [(4, 4)], [(16, 0)], 2, 5, initial_loads=[0, -1])
+    # What a slot already has counts: the matrix goes to the idle slot, not the first.
+    (placed,) = plan_owners(["a"], [(4, 4)], [(16, 0)], 2, 5, initial_loads=[10**6, 0])
+    assert placed.owner == 1

@@ -62,6 +62,10 @@ class MatrixAssignment:
         if self.owner < 0 or self.flops < 0 or self.elements_in < 0 or self.num_copies < 1:
             raise ValueError(f"invalid assignment {self}")
 
+    def num_slots_needed(self) -> int:
+        """The fewest slots a plan holding this assignment can have."""
+        return (self.owner + 1) * self.num_copies
+
     def slots(self, num_slots: int) -> tuple[int, ...]:
         """The slots (ranks, or replicate x shard ranks) that orthogonalize this matrix.
 
@@ -111,8 +115,11 @@ def plan_owners(
         if len(held) != num_ranks:
             raise ValueError(f"{name}: {len(held)} piece sizes for {num_ranks} ranks")
     loads = [0] * num_ranks if initial_loads is None else list(initial_loads)
-    if len(loads) != num_ranks:
-        raise ValueError(f"initial_loads has {len(loads)} entries for {num_ranks} ranks")
+    given: list[object] = list(loads)  # user input: check what came
+    if len(loads) != num_ranks or any(not isinstance(x, int) or x < 0 for x in given):
+        raise ValueError(
+            f"initial_loads must be {num_ranks} FLOP counts (ints >= 0), got {initial_loads!r}"
+        )
     flops = [ns_flops(shape, ns_steps) for shape in shapes]
     order = sorted(range(len(names)), key=lambda i: (-flops[i], i))
     owners = [0] * len(names)
@@ -171,6 +178,17 @@ class OwnerPlan(Sequence[MatrixAssignment]):
 
     assignments: tuple[MatrixAssignment, ...]
     num_slots: int
+
+    def __post_init__(self) -> None:
+        slots: object = self.num_slots  # user input: check what came
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 0:
+            raise ValueError(f"num_slots must be an int >= 0, got {self.num_slots!r}")
+        for a in self.assignments:
+            if a.num_slots_needed() > self.num_slots:
+                raise ValueError(
+                    f"{a.name} is owned by slot {a.owner} with {a.num_copies} copies: it "
+                    f"needs at least {a.num_slots_needed()} slots, got num_slots={slots}"
+                )
 
     def __getitem__(self, index: Any) -> Any:
         return self.assignments[index]
