@@ -453,3 +453,14 @@ def check_float8_gather_is_exact(block_rows: int, cols: int, fmt: str) -> None:
     expect_error(ValueError, lambda: BlockFloat8((32, 128), torch.bfloat16), "float8")
     expect_error(ValueError, lambda: BlockFloat8((0, 128)), "ints >= 1")
     expect_error(TypeError, lambda: DBuffer(tensors, mesh, gather_format="fp8"), "BlockFloat8")
+    # The wire format quantizes the shard where it gathers; a host shard is not there.
+    from dbuffer import HostShard
+
+    wire = BlockFloat8((2, cols), dtype)
+    expect_error(
+        ValueError,
+        lambda: DBuffer(tensors, mesh, gather_format=wire, host_shard=HostShard()),
+        "host_shard keeps it in host memory",
+    )
+    expect_error(TypeError, lambda: DBuffer(tensors, mesh, host_shard=True), "HostShard")  # type: ignore[arg-type]
+    expect_error(TypeError, lambda: HostShard(pin_memory="yes"), "pin_memory must be a bool")  # type: ignore[arg-type]

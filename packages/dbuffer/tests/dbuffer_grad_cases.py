@@ -10,7 +10,12 @@ from dbuffer_support import make_tensors
 from rank_pool import expect_error
 from torch.distributed.device_mesh import init_device_mesh
 
-from dbuffer import DBuffer
+from dbuffer import DBuffer, HostShard
+
+
+def _host(host: bool) -> dict[str, HostShard]:
+    """DBuffer's keyword for a shard kept in host memory (CPU offload), or none."""
+    return {"host_shard": HostShard()} if host else {}
 
 
 def check_reduce_scatter(op: str, dtype: str) -> None:
@@ -34,11 +39,11 @@ def check_reduce_scatter(op: str, dtype: str) -> None:
     assert not buf.local_grad.any()
 
 
-def check_hsdp() -> None:
+def check_hsdp(host: bool = False) -> None:
     mesh = init_device_mesh("cpu", (2, 2))
     rank = dist.get_rank()
     tensors = make_tensors(2, "fp32", seed=4)
-    buf = DBuffer(tensors, mesh, shard_axis=1, replicate_axis=0)
+    buf = DBuffer(tensors, mesh, shard_axis=1, replicate_axis=0, **_host(host))
     buf.unshard().wait()
     for name, t in tensors:
         assert torch.equal(buf.full(name), t)
@@ -52,7 +57,9 @@ def check_hsdp() -> None:
     # 4-byte elements and the result lands back in the bf16 gradient.
     from ragged_placement import CommCounter
 
-    bf16 = DBuffer(make_tensors(2, "bf16", seed=4), mesh, shard_axis=1, replicate_axis=0)
+    bf16 = DBuffer(
+        make_tensors(2, "bf16", seed=4), mesh, shard_axis=1, replicate_axis=0, **_host(host)
+    )
     replica = mesh.get_local_rank(0)
     bf16.local_grad.fill_(1.0 if replica == 0 else 3.0)
     with CommCounter() as counter:
@@ -213,13 +220,13 @@ def check_async_handles() -> None:
         assert torch.equal(buf.full(name), t)
 
 
-def check_reduce_scatter_accumulate() -> None:
+def check_reduce_scatter_accumulate(host: bool = False) -> None:
     """accumulate=True adds each reduce to local_grad (sharded gradient accumulation)."""
     world = dist.get_world_size()
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (world,))
     tensors = make_tensors(world, "fp32", seed=13)
-    buf = DBuffer(tensors, mesh)
+    buf = DBuffer(tensors, mesh, **_host(host))
     total = {name: torch.zeros(t.shape) for name, t in tensors}
     for micro in range(3):
         for name, t in tensors:
@@ -232,12 +239,12 @@ def check_reduce_scatter_accumulate() -> None:
     expect_error(TypeError, lambda: buf.reduce_scatter(accumulate=1), "accumulate must be")  # type: ignore[arg-type]
 
 
-def check_release_grad() -> None:
+def check_release_grad(host: bool = False) -> None:
     """release_grad() returns the shard; views handed out keep their memory and values."""
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (world,))
     tensors = make_tensors(world, "fp32", seed=13)
-    buf = DBuffer(tensors, mesh)
+    buf = DBuffer(tensors, mesh, **_host(host))
     assert not buf.has_local_grad  # made on first use
     for name, t in tensors:
         buf.accumulate_grad(name, torch.full_like(t, float(rank + 1)))
@@ -261,14 +268,18 @@ def check_release_grad() -> None:
     assert not buf.has_local_grad
 
 
-def check_training_matches_single_process(optimizer: str, mode: str = "fp32") -> None:
+def check_training_matches_single_process(
+    optimizer: str, mode: str = "fp32", host: bool = False
+) -> None:
     """DBuffer composed by hand into FSDP training equals full-batch single-process training.
 
     Per step: unshard, forward/backward with persistent nn.Parameters over the full views,
     accumulate_grad, reshard, reduce_scatter(avg) (+ all_reduce(avg) for HSDP), the optimizer
     on the RaggedShard params (in place on `local`), zero_grad. Each rank trains on its own
     slice of the batch. `mode`: "fp32", "bf16" (unshard and compute in bf16, gradients
-    accumulated and reduced in fp32), or "hsdp" (a 2 x 2 mesh, sharded on axis 1).
+    accumulated and reduced in fp32), or "hsdp" (a 2 x 2 mesh, sharded on axis 1). `host`:
+    the shard and its gradient in host memory (CPU offload): the gathered buffer and the
+    reduced gradient are then never the shards' own memory, even on one rank.
     """
     import copy
 
@@ -288,7 +299,7 @@ def check_training_matches_single_process(optimizer: str, mode: str = "fp32") ->
     reference = copy.deepcopy(model)
     names = [name for name, _ in model.named_parameters()]
     tensors = [(n, p.detach()) for n, p in model.named_parameters()]
-    buf = DBuffer(tensors, mesh, block_rows=2, **axes)
+    buf = DBuffer(tensors, mesh, block_rows=2, **axes, **_host(host))  # type: ignore[arg-type]
     sharded = {name: nn.Parameter(buf.sharded(name)) for name in names}
     make_opt = {
         "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
@@ -309,6 +320,9 @@ def check_training_matches_single_process(optimizer: str, mode: str = "fp32") ->
         buf.unshard(dtype=compute).wait()
         if not unsharded:  # made once; they see each unshard's memory
             unsharded = {name: nn.Parameter(buf.full(name, dtype=compute)) for name in names}
+        local = buf.local.untyped_storage().data_ptr()
+        gathered = buf.full(names[0], dtype=compute).untyped_storage().data_ptr()
+        assert (gathered != local) if host or world > 1 or compute else (gathered == local)
         mine = slice(rank * per_rank, (rank + 1) * per_rank)
         out = functional_call(model, unsharded, (x[mine].to(compute or torch.float32),))
         nn.functional.mse_loss(out.float(), y[mine]).backward()
@@ -321,6 +335,8 @@ def check_training_matches_single_process(optimizer: str, mode: str = "fp32") ->
         buf.all_reduce(op="avg").wait()
         for name, param in sharded.items():
             param.grad = buf.sharded_grad(name)
+        if host:  # never the shard's memory: what a step moves to the device and back
+            assert buf.local_grad.untyped_storage().data_ptr() != local
         opt.step()
         buf.zero_grad()
     tolerance = {"atol": 2e-2, "rtol": 2e-2} if compute else {}

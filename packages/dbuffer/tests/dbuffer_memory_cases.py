@@ -220,12 +220,15 @@ def _within(event: object, marker: str) -> bool:
     return False
 
 
-def check_zero_copy(mixed: bool) -> dict[str, int]:
+def check_zero_copy(mixed: bool, host: bool = False) -> dict[str, int]:
     from torch.profiler import ProfilerActivity, profile, record_function
+
+    from dbuffer import HostShard
 
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
-    buf = DBuffer(make_tensors(world, "fp32", seed=5), mesh)
+    kept = HostShard() if host else None
+    buf = DBuffer(make_tensors(world, "fp32", seed=5), mesh, host_shard=kept)
     dtype = torch.bfloat16 if mixed else None
     buf.unshard(dtype=dtype).wait()
     for name in buf.names:

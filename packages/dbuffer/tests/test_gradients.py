@@ -44,3 +44,16 @@ def test_reduce_scatter_accumulate(pools, world) -> None:
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_release_grad(pools, world) -> None:
     pools[world].run(cases.check_release_grad)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_host_shard_trains_as_one_process(pools, world) -> None:
+    # CPU offload: the shard and its gradient in host memory, gathered and reduced on the
+    # compute device (here the same memory, but never the same tensors).
+    for mode in ("fp32", "bf16"):
+        pools[world].run(cases.check_training_matches_single_process, "adamw", mode, True)
+    pools[world].run(cases.check_reduce_scatter_accumulate, True)
+    pools[world].run(cases.check_release_grad, True)
+    if world == 4:
+        pools[world].run(cases.check_training_matches_single_process, "adamw", "hsdp", True)
+        pools[world].run(cases.check_hsdp, True)

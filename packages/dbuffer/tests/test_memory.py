@@ -42,6 +42,20 @@ def test_unshard_and_reduce_scatter_make_no_copies(pools, world) -> None:
             assert r["storage_bytes"] == [0, r["buffer_bytes"]], r
 
 
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_host_shard_crosses_once_each_way(pools, world) -> None:
+    # CPU offload: an unshard copies the host shard into this rank's chunk of the gathered
+    # buffer once (with mixed precision, the cast is that copy), even on one rank, where the
+    # buffer otherwise aliases the shard; a reduce copies this rank's S reduced elements into
+    # the host gradient shard once. Nothing else is copied or allocated by ours.
+    for mixed in (False, True):
+        for r in pools[world].run(cases.check_zero_copy, mixed, True):
+            assert len(r["copies"]) == 1 and f"[[{r['shard_size']}]," in r["copies"][0], r
+            assert r["unshard_allocated"] == r["buffer_bytes"], r
+            assert r["reduce_copies"] == [[[r["shard_size"]], [r["shard_size"]], []]], r
+            assert r["allocating_ops"] == [], r
+
+
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_backward_after_reshard_and_unshard(pools, world) -> None:
     for prefetch in (False, True):

@@ -19,7 +19,6 @@ Memory model (see docs/architecture.md, "DBuffer"):
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
@@ -30,6 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from dbuffer._checks import (
     BlockRows,
+    DeprecatedAxisNames,
     check_axis,
     check_dtype,
     check_name,
@@ -40,13 +40,14 @@ from dbuffer._entries import plan_entries
 from dbuffer._freeable import FreeableBuffer, check_freed_default
 from dbuffer._gradients import Gradients
 from dbuffer._handle import Handle
+from dbuffer._host_shard import HostShard, check_host_shard, compute_device
 from dbuffer._shards import ShardViews
 from dbuffer._streams import record_event
 from dbuffer._wire import BlockFloat8, Float8Wire
 from shard_planner import Layout
 
 
-class DBuffer:
+class DBuffer(DeprecatedAxisNames):
     """Tensors of one dtype and device, planned into one evenly sharded buffer.
 
     Args:
@@ -76,6 +77,9 @@ class DBuffer:
             `full()` and autograd's saved views still raise while freed.
         gather_format: Gather in a low-precision wire format (`BlockFloat8`: fp8 codes and
             one scale per block, `_wire.py`); the full views stay in the unshard dtype.
+        host_shard: `HostShard()`: keep `local` and `local_grad` in host memory and gather
+            and reduce on the mesh's device (CPU offload, `_host_shard.py`). The tensors may
+            then be on the host or on that device.
         shard_dim: Deprecated name of `shard_axis` (a mesh axis, not a tensor dim).
         replicate_dim: Deprecated name of `replicate_axis`.
 
@@ -99,6 +103,7 @@ class DBuffer:
         layout: Layout | None = None,
         check_freed: bool | None = None,
         gather_format: BlockFloat8 | None = None,
+        host_shard: HostShard | None = None,
         shard_dim: int | None = None,
         replicate_dim: int | None = None,
     ) -> None:
@@ -130,7 +135,11 @@ class DBuffer:
         self._outer, self._shapes, self.layout = entries.outer, entries.shapes, entries.layout
         tensors = entries.tensors
         first = tensors[0][1]
-        self.dtype, self.device = first.dtype, first.device
+        self.host_shard = check_host_shard(host_shard, gather_format)
+        self.dtype = first.dtype
+        # The compute device: where the gathered tensors and full gradients live (and the
+        # shards too, without a host shard).
+        self.device = first.device if host_shard is None else compute_device(first.device, mesh)
         self._rank = mesh.get_local_rank(self.shard_axis)
         group = mesh.get_group(self.shard_axis)
         self._comm: ShardComm = comm_for(group, self.device)
@@ -141,7 +150,10 @@ class DBuffer:
             if gather_format is None
             else Float8Wire(gather_format, self.layout, self._shapes, self._rank)
         )
-        self.local = torch.zeros(self.layout.shard_size, dtype=self.dtype, device=self.device)
+        where = "cpu" if host_shard is not None and self.device.type != "meta" else self.device
+        self.local = torch.zeros(self.layout.shard_size, dtype=self.dtype, device=where)
+        if host_shard is not None:  # pinned as asked
+            self.local = host_shard.place(self.local, self.device)
         self.copy_(dict(tensors))
         self._views = ShardViews(
             self.layout, self._shapes, self._outer, mesh, self.shard_axis, self.local
@@ -155,20 +167,6 @@ class DBuffer:
         self._kept: dict[torch.dtype, tuple[ShardComm, torch.Tensor]] = {}
         self._grads = self._new_gradients()
 
-    @property
-    def shard_dim(self) -> int:
-        """Deprecated name of `shard_axis`."""
-        warnings.warn("DBuffer.shard_dim is deprecated: use shard_axis", DeprecationWarning, 2)
-        return self.shard_axis
-
-    @property
-    def replicate_dim(self) -> int | None:
-        """Deprecated name of `replicate_axis`."""
-        warnings.warn(
-            "DBuffer.replicate_dim is deprecated: use replicate_axis", DeprecationWarning, 2
-        )
-        return self.replicate_axis
-
     def _new_gradients(self) -> Gradients:
         axis = self.replicate_axis
         replicas = None if axis is None or self.mesh.size(axis) == 1 else self.mesh.get_group(axis)
@@ -181,6 +179,7 @@ class DBuffer:
             self.dtype,
             self.device,
             check_freed=self.check_freed,
+            host=self.host_shard,
         )
 
     # -- sizes and names ----------------------------------------------------------------------
@@ -255,7 +254,12 @@ class DBuffer:
             numel = self.layout.buffer_numel
             # On one rank the global buffer is the local shard: alias it (no copy, no memory),
             # unless the gather goes through a wire format (its values are the format's).
-            alias = self._comm.size == 1 and dtype == self.dtype and self._wire is None
+            alias = (
+                self._comm.size == 1
+                and dtype == self.dtype
+                and self._wire is None
+                and self.host_shard is None
+            )
             backing = self.local if alias else None
             memory = FreeableBuffer(
                 numel,
@@ -308,11 +312,11 @@ class DBuffer:
                 handle.wait()
             return handle
         send = self.local
-        if dtype != self.dtype:
-            # Cast straight into this rank's own chunk of the global buffer (the only
-            # elementwise pass) and gather in place: no send buffer.
+        if dtype != self.dtype or self.host_shard is not None:
+            # Cast (or copy from host memory) straight into this rank's own chunk of the
+            # global buffer, the only elementwise pass, and gather in place: no send buffer.
             send = self._comm.chunk(buffer)
-            send.copy_(self.local)
+            send.copy_(self.local, non_blocking=self.local.is_pinned())
         works = self._comm.all_gather(buffer, send, async_op=async_op)
         handle = Handle(works, device=self.device, event=record_event(self.device))
         self._pending_unshards[dtype] = handle
@@ -511,6 +515,7 @@ class DBuffer:
         `to_empty(device=...)`, `.double()`): `local` becomes `fn(local)` and every sharded
         view is made again over it (new objects). Gradients start from zero. Used after
         building a model on the meta device: the buffer then allocates only this rank's shard.
+        With a host shard, the shard stays in host memory and `fn`'s device computes.
 
         Args:
             fn: Maps the flat local shard to its converted copy (same number of elements).
@@ -533,8 +538,13 @@ class DBuffer:
             raise ValueError(
                 f"apply_: fn must return a tensor of {self.shard_size} elements, got {got}"
             )
-        self.local = local.contiguous().view(-1)
-        self.dtype, self.device = self.local.dtype, self.local.device
+        local = local.contiguous().view(-1)
+        self.dtype, self.device = local.dtype, local.device
+        if self.host_shard is not None:  # the conversion's device computes; the shard stays
+            self.device = compute_device(local.device, self.mesh)
+            local = self.host_shard.place(local, self.device)
+        self.local = local
+        self._comm = comm_for(self.mesh.get_group(self.shard_axis), self.device)
         self._global = {}
         self._pending_unshards = {}
         self._views = ShardViews(

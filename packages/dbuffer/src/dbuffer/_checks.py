@@ -194,3 +194,24 @@ def renamed_keyword(old: str, old_value: int | None, new: str, new_value: int | 
         f"DBuffer({old}=...) is deprecated: use {new} (a mesh axis)", DeprecationWarning, 3
     )
     return old_value
+
+
+class DeprecatedAxisNames:
+    """`DBuffer`'s former names of its mesh axes (`shard_dim`, `replicate_dim`), warning."""
+
+    shard_axis: int
+    replicate_axis: int | None
+
+    @property
+    def shard_dim(self) -> int:
+        """Deprecated name of `shard_axis`."""
+        warnings.warn("DBuffer.shard_dim is deprecated: use shard_axis", DeprecationWarning, 2)
+        return self.shard_axis
+
+    @property
+    def replicate_dim(self) -> int | None:
+        """Deprecated name of `replicate_axis`."""
+        warnings.warn(
+            "DBuffer.replicate_dim is deprecated: use replicate_axis", DeprecationWarning, 2
+        )
+        return self.replicate_axis

@@ -7,6 +7,8 @@
   on CPU, one rank: `_comm.py`) it copies this rank's chunk out instead: one pass over S
   elements and no clone.
 - `all_reduce` then reduces the shard over the replicate axis (HSDP).
+- With a `HostShard` (CPU offload) `local` is a host tensor: the reduce writes a device-side
+  shard, all-reduced there (HSDP), which lands in `local` at its first read (`_host_shard.py`).
 - The one pending state is a reduce in flight: every other operation waits for it first,
   since the reduce reads the global buffer and writes `local`.
 """
@@ -25,6 +27,7 @@ from dbuffer._comm import OPS, ShardComm
 from dbuffer._compat import profiler_range
 from dbuffer._grad_buffer import FullGradBuffer
 from dbuffer._handle import Handle
+from dbuffer._host_shard import HostLanding, HostShard
 from dbuffer._shards import ShardViews
 from dbuffer._streams import current_stream, free_storage, record_event
 from shard_planner import Layout
@@ -47,8 +50,9 @@ class Gradients:
         comm: The shard axis's comm object.
         replicate_group: The replicate axis's group (HSDP), or None.
         dtype: The gradients' dtype (the buffer's).
-        device: Their device.
+        device: The compute device: the full gradients' (and `local`'s without `host`).
         check_freed: Guard the full-gradient views (see `FreeableBuffer`).
+        host: Keep `local` in host memory (CPU offload), or None.
     """
 
     def __init__(
@@ -62,8 +66,12 @@ class Gradients:
         device: torch.device,
         *,
         check_freed: bool,
+        host: HostShard | None = None,
     ) -> None:
         self._shapes, self._views, self._comm = shapes, views, comm
+        self._host = host
+        # A reduced shard on the device not yet in `local` (host memory); None otherwise.
+        self._landing: HostLanding | None = None
         self._replicate_group = replicate_group
         self._size, self.dtype, self.device = layout.shard_size, dtype, device
         self._full = FullGradBuffer(layout, dict(shapes), dtype, device, check_freed=check_freed)
@@ -76,15 +84,36 @@ class Gradients:
     @property
     def local(self) -> torch.Tensor:
         """This rank's reduced gradients (S elements), zeros when first made."""
+        if self._landing is not None:
+            self._land()
         if self._local is None:
-            self._local = torch.zeros(self._size, dtype=self.dtype, device=self.device)
+            self._local = self._new_local().zero_()
         return self._local
+
+    def _new_local(self) -> torch.Tensor:
+        if self._host is not None:
+            return self._host.empty(self._size, self.dtype, self.device)
+        return torch.empty(self._size, dtype=self.dtype, device=self.device)
 
     def _overwritten_local(self) -> torch.Tensor:
         """`local`, made without zeroing when the caller writes every element."""
         if self._local is None:
-            self._local = torch.empty(self._size, dtype=self.dtype, device=self.device)
+            self._local = self._new_local()
         return self._local
+
+    def _host_target(self, *, accumulate: bool) -> torch.Tensor:
+        """The host `local` a landing writes (zeroed when first made, if it adds into it)."""
+        if self._local is None:
+            self._local = self._new_local()
+            if accumulate:
+                self._local.zero_()
+        return self._local
+
+    def _land(self) -> None:
+        """Moves the device-side reduced shard into the host `local` (CPU offload)."""
+        landing, self._landing = self._landing, None
+        assert landing is not None
+        landing.land(self._host_target(accumulate=landing.accumulate))
 
     @property
     def has_local(self) -> bool:
@@ -100,12 +129,14 @@ class Gradients:
     def release(self) -> None:
         """Drops the shard; views handed out keep their memory, new ones view a new shard."""
         self.wait()
+        self._landing = None
         self._local = None
         self._sharded = {}
 
     def zero(self) -> None:
         """Zeroes the shard (one kernel) and forgets the full gradients (no kernel)."""
         self.wait()
+        self._landing = None
         if self._local is not None:  # a shard not made yet is zeros when it is
             self._local.zero_()
         self._full.zero()
@@ -115,6 +146,8 @@ class Gradients:
         value: object = factor  # callers may pass anything; check before use
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise TypeError(f"scale_grad_ factor must be a number, got {factor!r}")
+        if self._landing is not None:
+            self._land()
         if self._local is not None:
             self._local.mul_(factor)
 
@@ -186,6 +219,10 @@ class Gradients:
             raise TypeError(f"accumulate must be a bool, got {accumulate!r}")
         reduce_dtype = check_dtype("reduce_dtype", reduce_dtype)
         self.wait()
+        if self._landing is not None:  # an earlier reduce not read yet: add to it, or drop it
+            if accumulate:
+                self._land()
+            self._landing = None
         grad = self._full.for_reduce()
         if divide_factor is not None:
             factor: object = divide_factor  # callers may pass anything; check before use
@@ -199,7 +236,8 @@ class Gradients:
         temps = [] if send is grad else [send]
         out: torch.Tensor | None = None
         if not self._comm.reduces_in_place:
-            if send.dtype == self.dtype and not accumulate:  # every element is written
+            host = self._host is not None  # the result stays on the device until it lands
+            if send.dtype == self.dtype and not accumulate and not host:  # all overwritten
                 out = self._overwritten_local()
             else:
                 out = torch.empty(self._size, dtype=send.dtype, device=self.device)
@@ -208,15 +246,27 @@ class Gradients:
         alloc_stream = current_stream(self.device)
 
         def finish() -> None:
-            local = self.local if accumulate else self._overwritten_local()
-            if result is not local:
-                if accumulate:
-                    local.add_(result)
-                else:
-                    local.copy_(result)
+            kept = None
+            if self._host is not None:
+                kept = result if result.dtype == self.dtype else result.to(self.dtype)
+                if self._replicate_group is None:  # to host memory now (stream-ordered)
+                    self._landing = HostLanding(kept, accumulate=accumulate)
+                    self._landing.start(self._host_target(accumulate=accumulate))
+                else:  # all-reduced on the device first; not in the full buffer freed below
+                    if kept is result and result is not out:
+                        kept = result.clone()
+                    self._landing = HostLanding(kept, accumulate=accumulate)
+            else:
+                local = self.local if accumulate else self._overwritten_local()
+                if result is not local:
+                    if accumulate:
+                        local.add_(result)
+                    else:
+                        local.copy_(result)
             # The temporaries were allocated on the issuing stream; order their reuse.
             for temp in temps:
-                free_storage(temp, alloc_stream)
+                if temp is not kept:
+                    free_storage(temp, alloc_stream)
             self._full.free()
             self._pending = None
 
@@ -237,15 +287,31 @@ class Gradients:
         group = self._replicate_group
         if group is None:
             return Handle()
-        cast = reduce_dtype not in (None, self.dtype)
-        target = self.local.to(reduce_dtype) if cast else self.local
+        landing = self._landing
+        if landing is not None and landing.started:
+            self._land()
+            landing = None
+        # What is reduced: the device-side shard still to land (CPU offload), a device copy
+        # of the host shard, or `local` itself.
+        if landing is not None:
+            shard = landing.shard
+        elif self._host is not None:
+            shard = self.local.to(self.device, copy=True)
+        else:
+            shard = self.local
+        want = reduce_dtype or self.dtype
+        target = shard if shard.dtype == want else shard.to(want)
         with profiler_range("DBuffer::all_reduce"):
             work = dist.all_reduce(target, op=OPS[op], group=group, async_op=async_op)
         alloc_stream = current_stream(self.device)
 
         def finish() -> None:
-            if cast:
-                self.local.copy_(target)
+            if target is not shard:
+                shard.copy_(target)
                 free_storage(target, alloc_stream)
+            if landing is not None:
+                landing.start(self._host_target(accumulate=landing.accumulate))
+            elif shard is not self._local:
+                self.local.copy_(shard)
 
         return Handle([work], device=self.device, event=record_event(self.device), then=finish)
