@@ -527,6 +527,7 @@ def check_param_dtype_override_bad_input() -> None:
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     for fn, error, match in [
         (lambda p: torch.float16, ValueError, r"returned torch.float16 for 'weight'"),
+        (lambda p: torch.int32, ValueError, r"returned torch.int32 for 'weight'"),
         (lambda p: "fp32", ValueError, r"must return a torch.dtype or None; for 'weight'"),
         ("fp32", TypeError, "param_dtype_override_fn must be callable"),
     ]:

@@ -32,7 +32,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
 import fsdp_engine
-from fsdp_engine import MixedPrecisionPolicy, fully_shard
+from fsdp_engine import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from ragged_placement import RaggedShard, flat_range
 
 VARIANTS = (
@@ -53,9 +53,11 @@ VARIANTS = (
 )
 
 
-def _shard(model: Decoder, variant: str, engine: str) -> None:
+def _shard(model: Decoder, variant: str, engine: str, offload: bool = False) -> None:
     mesh = make_mesh(variant)
     kwargs: dict[str, Any] = {"mesh": mesh}
+    if offload:  # FSDP2 cannot pin without an accelerator; ours pins only for one
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=engine == "ours")
     if variant == "bf16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32
@@ -124,14 +126,18 @@ def _as_tensor(losses: list[float], model: nn.Module) -> torch.Tensor:
     return torch.tensor(losses, dtype=next(model.parameters()).dtype)
 
 
-def check_training(variant: str, steps: int = 5) -> dict[str, Any]:
-    """Ours against the single-process reference (fp32) and against torch FSDP2."""
+def check_training(variant: str, steps: int = 5, offload: bool = False) -> dict[str, Any]:
+    """Ours against the single-process reference (fp32) and against torch FSDP2.
+
+    `offload`: both engines with `CPUOffloadPolicy` (on CPU the same memory: this checks that
+    the offloaded path trains the same; `_check_offloaded` checks where the tensors are).
+    """
     micro = 2 if variant == "grad_accumulation" else 1
     batches = make_batches(steps, micro)
     base = make_model(variant)
     reference_copy = copy.deepcopy(base)
     reference, theirs, ours = copy.deepcopy(base), copy.deepcopy(base), base
-    _shard(ours, variant, "ours")
+    _shard(ours, variant, "ours", offload)
     ours_losses = _train(ours, batches, variant, sharded=True)
     ours_params = full_params(ours)
     names = [name for name, _ in reference.named_parameters()]
@@ -139,6 +145,8 @@ def check_training(variant: str, steps: int = 5) -> dict[str, Any]:
     for name, p in ours.named_parameters():
         assert isinstance(p, DTensor), name
         assert isinstance(p.placements[-1], RaggedShard) or p.numel() == 0, (name, p.placements)
+    if offload:
+        _check_offloaded(ours)
     result: dict[str, Any] = {"ours": ours_losses}
     # bf16 is held against this fp32 run by accuracy, beside FSDP2's (below).
     ref_losses = _train(reference, batches, variant, sharded=False)
@@ -161,11 +169,11 @@ def check_training(variant: str, steps: int = 5) -> dict[str, Any]:
             # that also gives experts no rank used a zero gradient where single-process
             # training has None. Compare with ours in the same mode.
             ours = copy.deepcopy(reference_copy)
-            _shard(ours, variant, "ours")
+            _shard(ours, variant, "ours", offload)
             ours.set_reduce_scatter_unused_params(True)  # type: ignore[operator]
             ours_losses = _train(ours, batches, variant, sharded=True)
             ours_params = full_params(ours)
-        _shard(theirs, variant, "fsdp2")
+        _shard(theirs, variant, "fsdp2", offload)
         if variant == "moe":
             theirs.set_reduce_scatter_unused_params(True)  # type: ignore[operator]
         fsdp2_losses = _train(theirs, batches, variant, sharded=True)
@@ -187,6 +195,54 @@ def check_training(variant: str, steps: int = 5) -> dict[str, Any]:
         for name, value in full_params(theirs).items():
             torch.testing.assert_close(ours_params[name], value, msg=lambda m, n=name: f"{n}: {m}")
     return result
+
+
+def _check_offloaded(model: nn.Module) -> None:
+    """Every group of `model` keeps its shards in host memory and gathers through a copy."""
+    from fsdp_engine._state import STATE_ATTR
+
+    groups = [getattr(m, STATE_ATTR).group for m in model.modules() if hasattr(m, STATE_ATTR)]
+    buffers = [b for group in groups if group is not None for b in group.buffers]
+    assert buffers and all(b.host_shard is not None for b in buffers), buffers
+    for buffer in buffers:
+        assert buffer.local.device.type == "cpu" and not buffer.local.is_pinned()  # CPU mesh
+        assert not buffer.has_local_grad or buffer.local_grad.device.type == "cpu"
+    for name, param in model.named_parameters():
+        assert isinstance(param, DTensor) and param.to_local().device.type == "cpu", name
+
+
+def check_offload_within_budget() -> None:
+    """A byte budget offloads exactly the groups it chose; training equals one process."""
+    from fsdp_engine._state import STATE_ATTR
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16), nn.Linear(16, 8))
+    reference = copy.deepcopy(model)
+    blocks = [model[0], model[2], model[3]]  # 4,352, 4,160 and 544 bytes
+    chosen = fsdp_engine.offload_within_budget(blocks, max_bytes=5_000)
+    assert chosen == [model[0], model[3]], chosen  # largest first, while it fits
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in blocks:
+        policy = CPUOffloadPolicy() if block in chosen else fsdp_engine.OffloadPolicy()
+        fully_shard(block, mesh=mesh, offload_policy=policy)
+    fully_shard(model, mesh=mesh)
+    for block in blocks:
+        (buffer,) = getattr(block, STATE_ATTR).group.buffers
+        assert (buffer.host_shard is not None) == (block in chosen), block
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-6) for m in (model, reference)]
+    gen = torch.Generator().manual_seed(1)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    for _ in range(3):
+        x = torch.randn(4 * world, 16, generator=gen)
+        for net, opt, batch in (
+            (model, opts[0], x[4 * rank : 4 * rank + 4]),
+            (reference, opts[1], x),
+        ):
+            net(batch).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    for (name, got), want in zip(full_params(model).items(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want.detach(), msg=lambda m, n=name: f"{n}: {m}")
 
 
 def check_block_rows_layout() -> None:

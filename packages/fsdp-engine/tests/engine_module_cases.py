@@ -193,11 +193,24 @@ def check_bad_input() -> None:
     # Offload, policies, setters.
     from torch.distributed.fsdp import CPUOffloadPolicy
 
+    from dbuffer import BlockFloat8
+
+    _expect(TypeError, lambda: fully_shard(fresh(), mesh=mesh, offload_policy="cpu"), "got 'cpu'")  # type: ignore[call-overload]
+    # fp8 codes are made from the shard on the device; an offloaded shard is not there.
+    fp8 = BlockFloat8(block=(1, 4))
     _expect(
-        NotImplementedError,
-        lambda: fully_shard(fresh(), mesh=mesh, offload_policy=CPUOffloadPolicy()),
-        "CPUOffloadPolicy",
+        ValueError,
+        lambda: fully_shard(
+            nn.Sequential(nn.Linear(4, 4)),
+            mesh=mesh,
+            offload_policy=CPUOffloadPolicy(),
+            gather_format=fp8,
+        ),
+        "fully_shard on Sequential: offload_policy=CPUOffloadPolicy(pin_memory=True) keeps "
+        "the shards in host memory, but gather_format gathers '0.weight'",
     )
+    _expect(ValueError, lambda: fsdp_engine.offload_within_budget([fresh()], -1), "got -1")
+    _expect(TypeError, lambda: fsdp_engine.offload_within_budget(["m"], 1), "got str")
     _expect(
         TypeError, lambda: fully_shard(fresh(), mesh=mesh, mp_policy="bf16"), "MixedPrecisionPolicy"
     )  # type: ignore[call-overload]

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
-from fsdp_engine import fully_shard
+from fsdp_engine import CPUOffloadPolicy, fully_shard
 
 BATCH_PER_RANK = 2
 
@@ -76,13 +76,18 @@ def rows_of_rank(batch: torch.Tensor, variant: str) -> torch.Tensor:
 
 
 def sharded_model(engine: str, seed: int) -> tuple[Decoder, torch.optim.Optimizer]:
+    """A decoder sharded by `engine`: "ours" or "fsdp2", "+offload" for CPUOffloadPolicy."""
     torch.manual_seed(seed)
     model = Decoder(Config())
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    shard: Callable[..., Any] = fully_shard if engine == "ours" else torch_fully_shard
+    name, _, offload = engine.partition("+")
+    shard: Callable[..., Any] = fully_shard if name == "ours" else torch_fully_shard
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if offload:  # FSDP2 cannot pin without an accelerator
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=name == "ours")
     for layer in model.layers:
-        shard(layer, mesh=mesh)
-    shard(model, mesh=mesh)
+        shard(layer, **kwargs)
+    shard(model, **kwargs)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 

@@ -16,6 +16,23 @@ def test_checkpoint_reshards_and_interoperates_with_fsdp2(pools, tmp_path, saver
         pools[world].run(cases.check_checkpoint_load, str(tmp_path), loader, False)
 
 
+@pytest.mark.parametrize(
+    ("saver", "loader"),
+    [
+        ("ours+offload", "fsdp2+offload"),
+        ("fsdp2+offload", "ours+offload"),
+        ("ours+offload", "ours"),
+    ],
+)
+def test_offloaded_checkpoints_interoperate_with_fsdp2(pools, tmp_path, saver, loader) -> None:
+    # CPUOffloadPolicy on either side: saved at W=3, loaded bit-exactly at 3 and 2; resumed
+    # bit-exactly with the same engine and world (offloaded or not: the same arithmetic).
+    pools[3].run(cases.check_checkpoint_save, str(tmp_path), saver)
+    resume = saver.partition("+")[0] == loader.partition("+")[0]
+    pools[3].run(cases.check_checkpoint_load, str(tmp_path), loader, resume)
+    pools[2].run(cases.check_checkpoint_load, str(tmp_path), loader, False)
+
+
 @pytest.mark.parametrize("world", [1, 3, 4])
 def test_meta_device_init_equals_one_process_and_allocates_one_shard(pools, world) -> None:
     for r in pools[world].run(cases.check_meta_init):

@@ -29,6 +29,23 @@ def test_hsdp_2x2(pools) -> None:
     pools[4].run(cases.check_training, "hsdp")
 
 
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_cpu_offload_matches_reference_and_fsdp2(pools, world) -> None:
+    # CPUOffloadPolicy on both engines: dense and MoE on 1-3 ranks; bf16 mixed precision and
+    # accumulation without sync on 3 (uneven shards, some empty); HSDP in test_cpu_offload_hsdp.
+    for variant in ("dense", "moe", *(("bf16", "grad_accumulation") if world == 3 else ())):
+        pools[world].run(cases.check_training, variant, 3, True)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_offload_within_budget_offloads_exactly_its_choice(pools, world) -> None:
+    pools[world].run(cases.check_offload_within_budget)
+
+
+def test_cpu_offload_hsdp(pools) -> None:
+    pools[4].run(cases.check_training, "hsdp", 3, True)
+
+
 @pytest.mark.parametrize("world", [1, 3, 4])
 def test_block_rows_never_cut_a_block(pools, world) -> None:
     pools[world].run(cases.check_block_rows_layout)

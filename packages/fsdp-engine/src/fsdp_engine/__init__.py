@@ -22,6 +22,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from fsdp_engine._clip import clip_grad_norm_
 from fsdp_engine._fully_shard import fully_shard, register_fsdp_forward_method
 from fsdp_engine._module import FSDPModule, GradientReductionHandle, UnshardHandle
+from fsdp_engine._offload import offload_within_budget
 from fsdp_engine._summary import GroupSummary, sharding_summary
 
 __version__ = "0.1.0"
@@ -37,6 +38,7 @@ __all__ = [
     "__version__",
     "clip_grad_norm_",
     "fully_shard",
+    "offload_within_budget",
     "register_fsdp_forward_method",
     "sharding_summary",
 ]

@@ -20,6 +20,7 @@ import itertools
 import math
 import operator
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -159,7 +160,7 @@ def _nonzero_tensors(
     """How many of the gradients (one local piece each) have a non-zero element anywhere."""
     counts = torch.stack([torch.count_nonzero(piece) for piece in pieces]).double()
     for group in groups:
-        dist.all_reduce(counts, group=group)
+        counts = _all_reduce(counts, group)
     return (counts > 0).sum().to(pieces[0].dtype)
 
 
@@ -191,10 +192,26 @@ def _reduce(norm: torch.Tensor, p: float, groups: list[dist.ProcessGroup]) -> to
         norm = norm.clone()
         for group in groups:
             op = dist.ReduceOp.MAX if p > 0 else dist.ReduceOp.MIN
-            dist.all_reduce(norm, op=op, group=group)
+            norm = _all_reduce(norm, group, op)
         return norm
     powered = norm.double() if p == 0 else norm.double() ** p
     for group in groups:
-        dist.all_reduce(powered, group=group)
+        powered = _all_reduce(powered, group)
     total: torch.Tensor = (powered if p == 0 else powered ** (1.0 / p)).to(norm.dtype)
     return total
+
+
+def _all_reduce(
+    tensor: torch.Tensor, group: dist.ProcessGroup, op: Any = dist.ReduceOp.SUM
+) -> torch.Tensor:
+    """All-reduces `tensor` in place, through the accelerator when its group is NCCL only.
+
+    Gradients offloaded to host memory (`CPUOffloadPolicy`) have their norms there, and a
+    group made for the accelerator's backend alone cannot reduce host tensors.
+    """
+    if tensor.device.type == "cpu" and dist.get_backend(group) == "nccl":
+        on_device = tensor.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(on_device, op=op, group=group)
+        return tensor.copy_(on_device)
+    dist.all_reduce(tensor, op=op, group=group)
+    return tensor

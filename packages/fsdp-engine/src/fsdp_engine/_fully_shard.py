@@ -88,7 +88,9 @@ def fully_shard(
             mesh and dtype.
         mp_policy: Mixed precision (param_dtype, reduce_dtype, output_dtype,
             cast_forward_inputs), as in FSDP2.
-        offload_policy: Only OffloadPolicy() (no offload) is supported.
+        offload_policy: OffloadPolicy() (none) or CPUOffloadPolicy(pin_memory=...): the
+            sharded parameters and their gradients live in host memory and the optimizer
+            steps them there (`_offload.py`).
         ignored_params: Parameters left unsharded and untouched.
         block_rows: Rows per block that no shard boundary may cut: an int, a mapping from
             parameter FQN (relative to `module`; "i.fqn" for the i-th module of a list) to

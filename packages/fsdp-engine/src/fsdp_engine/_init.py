@@ -12,16 +12,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor, Shard
 
-from dbuffer import BlockFloat8, DBuffer
+from dbuffer import BlockFloat8, DBuffer, HostShard
 from fsdp_engine._compat import parameter_slots, placement_result
 from fsdp_engine._config import GroupConfig
 from fsdp_engine._device import target_device
 from fsdp_engine._gather_format import GatherFormatArg, resolve_gather_formats
 from fsdp_engine._group import ParamGroup
 from fsdp_engine._module import FSDPModule
+from fsdp_engine._offload import host_shard_for
 from fsdp_engine._param import Location, ManagedParam, ParallelSpec
 from fsdp_engine._param_dtypes import OverrideFn, compute_dtypes, override_fn
 from fsdp_engine._spmd import SpmdMesh
@@ -68,11 +69,6 @@ def init_state(
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {mp_policy!r}")
     override = override_fn(mp_policy, param_dtype_override_fn)
-    if isinstance(offload_policy, CPUOffloadPolicy):
-        raise NotImplementedError(
-            "fsdp_engine does not support CPUOffloadPolicy: parameters are views of a "
-            "device-side DBuffer; pass OffloadPolicy() (no offload)"
-        )
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(f"offload_policy must be an OffloadPolicy, got {offload_policy!r}")
     ignored = _check_ignored(ignored_params)
@@ -86,8 +82,9 @@ def init_state(
         gather_format, found.names, rows, rows_given=block_rows is not None
     )
     label = type(modules[0]).__name__
+    host = host_shard_for(offload_policy, label, formats, found.subclass.values())
     dtypes = compute_dtypes(mp_policy, override, found.names)
-    group = _build_group(found, rows, formats, placements, mesh, mp_policy, label, dtypes)
+    group = _build_group(found, rows, formats, placements, mesh, mp_policy, label, dtypes, host)
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         reshard = _post_forward_parts(group, reshard_after_forward, mesh)
     state = FSDPState(modules, group, GroupConfig(reshard_after_forward=reshard), mp_policy)
@@ -365,6 +362,7 @@ def _build_group(
     mp_policy: MixedPrecisionPolicy,
     label: str,
     dtypes: dict[nn.Parameter, torch.dtype | None],
+    host: HostShard | None,
 ) -> ParamGroup | None:
     if not found.names and not found.subclass:
         return None
@@ -381,7 +379,9 @@ def _build_group(
     buffers: dict[nn.Parameter, DBuffer] = {}
     for params in by_buffer.values():
         where = placements[params[0]]
-        tensors = [(found.names[p], found.inputs.get(p, p).detach().to(device)) for p in params]
+        tensors = [(found.names[p], found.inputs.get(p, p).detach()) for p in params]
+        if host is None:  # offloaded, the values go into the host shard from where they are
+            tensors = [(name, t.to(device)) for name, t in tensors]
         buffer = DBuffer(
             tensors,
             where.mesh,
@@ -390,6 +390,7 @@ def _build_group(
             block_rows={n: rows[n] for n, _ in tensors},
             gather_format=formats.get(tensors[0][0]),
             num_shard_dims={found.names[p]: placements[p].num_shard_dims for p in params},
+            host_shard=host,
         )
         buffers.update(dict.fromkeys(params, buffer))
     managed = []
