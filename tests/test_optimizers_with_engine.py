@@ -15,6 +15,21 @@ def test_optimizers_on_engine_parameters_match_one_process(pools, world) -> None
         )
 
 
+@pytest.mark.parametrize("world", [1, 3])
+def test_optimizers_step_offloaded_parameters(pools, world) -> None:
+    # CPUOffloadPolicy: the optimizers step the host shards (and read the host gradients).
+    for optimizer in ("adamw8bit", "muon"):
+        pools[world].run(cases.check_engine_training, optimizer, True)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_optimizer_state_offload_steps_unchanged(pools, world) -> None:
+    # fsdp_engine.OptimizerStateOffload with torch's AdamW and the flat AdamW (its views of
+    # the state are read again after each move).
+    for optimizer in ("torch", "flat"):
+        pools[world].run(cases.check_optimizer_state_offload, optimizer)
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_flat_adamw_equals_torch_adamw_on_the_engine(pools, world) -> None:
     for kind, precision in [("dense", "fp32"), ("moe", "bf16"), ("moe", "fp32")]:

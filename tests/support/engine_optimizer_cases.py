@@ -10,15 +10,19 @@ within a tolerance.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from model import Config, Decoder, loss_fn
+from rank_pool import expect_error
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from train import make_optimizer
 
+import fsdp_engine
 from fsdp_engine import fully_shard
 from ragged_placement import RaggedShard
 
@@ -37,7 +41,14 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def check_engine_training(optimizer: str) -> dict[str, Any]:
+def check_engine_training(optimizer: str, offload: bool = False) -> dict[str, Any]:
+    """`optimizer` on the sharded model: equal to it on full tensors, close to one process.
+
+    `offload`: the groups with `CPUOffloadPolicy`, so the optimizer steps host tensors.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    policy = CPUOffloadPolicy() if offload else OffloadPolicy()
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     model = Decoder(CONFIG)
@@ -48,8 +59,8 @@ def check_engine_training(optimizer: str) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (world,))
     block_rows = lambda fqn, p: 32 if p.dim() == 2 else 1  # noqa: E731
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh, block_rows=block_rows)
-    fully_shard(model, mesh=mesh, block_rows=block_rows)
+        fully_shard(layer, mesh=mesh, block_rows=block_rows, offload_policy=policy)
+    fully_shard(model, mesh=mesh, block_rows=block_rows, offload_policy=policy)
     for name, p in model.named_parameters():
         assert isinstance(p.placements[0], RaggedShard), name
     lr = 1e-2
@@ -344,3 +355,51 @@ def check_muon_hsdp_on_engine(ns_batch_numel: int, replica_owners: bool | str) -
                 bound = 2 * 0.02 * 2**-7
                 torch.testing.assert_close(_full(p.detach()), ref.detach(), atol=bound, rtol=0)
     return int(counter.get_total_flops())
+
+
+def check_optimizer_state_offload(optimizer: str) -> None:
+    """OptimizerStateOffload: state in host copies between steps, steps bitwise unchanged."""
+    from ragged_optimizers import AdamW as FlatAdamW
+
+    make = {"torch": torch.optim.AdamW, "flat": FlatAdamW}[optimizer]
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 24), nn.Tanh(), nn.Linear(24, 8))
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        fully_shard(model[0], mesh=mesh)
+        models.append(fully_shard(model, mesh=mesh))
+    opts = [make(m.parameters(), lr=1e-2, weight_decay=0.1) for m in models]
+    offload = fsdp_engine.OptimizerStateOffload(opts[0])
+    gen = torch.Generator().manual_seed(1)
+    held: list[torch.Tensor] = []
+    for step in range(3):
+        x = torch.randn(4, 16, generator=gen)
+        for model, opt in zip(models, opts, strict=True):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        states = [[v for s in opt.state.values() for v in s.values()] for opt in opts]
+        tensors = [v for v in states[0] if isinstance(v, torch.Tensor)]
+        assert offload.num_offloaded == len(tensors) > 0, (offload.num_offloaded, len(tensors))
+        # New tensors each step (the moves replace the entries), with the stepped values.
+        assert not {id(t) for t in tensors} & {id(t) for t in held}, step
+        held = tensors
+        for got, want in zip(*states, strict=True):
+            if isinstance(want, DTensor):
+                got, want = got.to_local(), want.to_local()
+            assert torch.equal(torch.as_tensor(got), torch.as_tensor(want)), step
+        for p, q in zip(models[0].parameters(), models[1].parameters(), strict=True):
+            assert torch.equal(p.to_local(), q.to_local()), step
+    # A state dict taken between steps loads into a fresh optimizer that steps the same.
+    saved = copy.deepcopy(opts[0].state_dict())
+    offload.remove()
+    assert offload.num_offloaded == 0
+    opts[0].load_state_dict(saved)
+    x = torch.randn(4, 16, generator=gen)
+    for model, opt in zip(models, opts, strict=True):
+        model(x).square().mean().backward()
+        opt.step()
+    for p, q in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(p.to_local(), q.to_local())
+    expect_error(TypeError, lambda: fsdp_engine.OptimizerStateOffload("adam"), "got 'adam'")  # type: ignore[arg-type]

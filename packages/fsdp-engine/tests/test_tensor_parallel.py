@@ -27,6 +27,14 @@ def test_dp2_tp2_matches_one_process_and_fsdp2(pools, seq_parallel, precision) -
 
 
 @sound_embedding_tp
+@pytest.mark.parametrize(("world", "shape"), [(4, (2, 2)), (3, (1, 3))], ids=["dp2xtp2", "dp1xtp3"])
+def test_cpu_offload_under_tensor_parallel(pools, world, shape) -> None:
+    # CPUOffloadPolicy on both engines over TP DTensors, with our clip_grad_norm_.
+    result = pools[world].run(cases.check_training, shape, False, "fp64+offload")[0]
+    print(f"{shape} fp64 offloaded: {result['record']}")
+
+
+@sound_embedding_tp
 @pytest.mark.parametrize(
     ("world", "shape"),
     [(4, (1, 4)), (4, (2, 1, 2)), (3, (3, 1)), (3, (1, 3)), (2, (1, 2)), (1, (1, 1))],

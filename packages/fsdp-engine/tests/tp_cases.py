@@ -27,7 +27,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
 
-from fsdp_engine import MixedPrecisionPolicy, clip_grad_norm_, fully_shard
+from fsdp_engine import CPUOffloadPolicy, MixedPrecisionPolicy, clip_grad_norm_, fully_shard
 from ragged_placement import RaggedShard, flat_range, local_view
 
 ROWS_PER_REPLICA = 2
@@ -62,6 +62,7 @@ def _parallelize(
     engine: str,
     seq_parallel: bool,
     mp_policy: MixedPrecisionPolicy | None = None,
+    offload: bool = False,
 ) -> None:
     # Local attention outputs: CPU's fused attention has no DTensor sharding rule.
     Transformer.parallelize(model, tp_mesh, seq_parallel, True)
@@ -69,6 +70,8 @@ def _parallelize(
     kwargs: dict[str, Any] = {"mesh": dp_mesh}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
+    if offload:  # FSDP2 cannot pin without an accelerator
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=engine == "ours")
     for layer in model.layers:
         shard(layer, **kwargs)
     shard(model, **kwargs)
@@ -170,8 +173,11 @@ def check_training(shape: tuple[int, ...], seq_parallel: bool, precision: str) -
     """Ours on a (dp, tp) or (replicate, shard, tp) mesh against one process and FSDP2.
 
     `precision`: "fp64" (exact comparisons), "fp32", or "bf16" (bf16 parameters, fp32
-    reduce; by accuracy against the fp32 one-process run, see `_check_bf16`).
+    reduce; by accuracy against the fp32 one-process run, see `_check_bf16`); "+offload":
+    both engines with CPUOffloadPolicy.
     """
+    precision, _, offloaded = precision.partition("+")
+    offload = offloaded == "offload"
     if precision == "bf16":
         return _check_bf16(shape, seq_parallel)
     mesh, dp_mesh, tp_mesh = make_mesh(shape)
@@ -183,7 +189,7 @@ def check_training(shape: tuple[int, ...], seq_parallel: bool, precision: str) -
     # Without sequence parallelism the norms' weights are over dp alone, the rest over
     # (dp, tp): torch's clip_grad_norm_ refuses that mix (for FSDP2 too), ours takes it.
     clip = True
-    _parallelize(ours, dp_mesh, tp_mesh, engine="ours", seq_parallel=seq_parallel)
+    _parallelize(ours, dp_mesh, tp_mesh, engine="ours", seq_parallel=seq_parallel, offload=offload)
     _assert_placements(ours, mesh)
     # AdamW hides a gradient's scale: compare the first step's gradients themselves.
     ours_grads = _first_grads(ours, batches[0], replica)
@@ -210,7 +216,9 @@ def check_training(shape: tuple[int, ...], seq_parallel: bool, precision: str) -
             msg=lambda m, n=name: f"{n}: {m}", **tolerance,
         )  # fmt: skip
     result["reference"] = ref_losses
-    _parallelize(theirs, dp_mesh, tp_mesh, engine="fsdp2", seq_parallel=seq_parallel)
+    _parallelize(
+        theirs, dp_mesh, tp_mesh, engine="fsdp2", seq_parallel=seq_parallel, offload=offload
+    )
     fsdp2_grads = _first_grads(theirs, batches[0], replica)
     fsdp2_losses = _train(theirs, batches, replica=replica, clip=clip)
     close: dict[str, float] = {} if precision == "fp64" else tolerance

@@ -22,7 +22,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from fsdp_engine._clip import clip_grad_norm_
 from fsdp_engine._fully_shard import fully_shard, register_fsdp_forward_method
 from fsdp_engine._module import FSDPModule, GradientReductionHandle, UnshardHandle
-from fsdp_engine._offload import offload_within_budget
+from fsdp_engine._offload import OptimizerStateOffload, offload_within_budget
 from fsdp_engine._summary import GroupSummary, sharding_summary
 
 __version__ = "0.1.0"
@@ -34,6 +34,7 @@ __all__ = [
     "GroupSummary",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "OptimizerStateOffload",
     "UnshardHandle",
     "__version__",
     "clip_grad_norm_",

@@ -4,15 +4,18 @@ An offloaded group keeps its sharded parameters and their gradients in host memo
 DBuffers' `HostShard`), so the optimizer steps them there; each unshard copies the host shard
 into the device-side gather buffer once, and each reduce-scatter's shard lands in the host
 gradient once. The choice is per `fully_shard` call, as in FSDP2; `offload_within_budget`
-picks the calls for a byte budget.
+picks the calls for a byte budget. `OptimizerStateOffload` instead keeps only the optimizer
+state in host memory between steps, for a step that runs on the device.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+from torch.distributed.tensor import DTensor
 
 from dbuffer import BlockFloat8, HostShard
 
@@ -92,3 +95,95 @@ def offload_within_budget(modules: Iterable[nn.Module], max_bytes: int) -> list[
             chosen.add(index)
             left -= sizes[index]
     return [module for index, module in enumerate(given) if index in chosen]
+
+
+class OptimizerStateOffload:
+    """Keeps an optimizer's state in host memory between steps; each step runs where it was.
+
+    For a model on the device whose optimizer state does not fit beside activations: after
+    each step every state tensor is copied into host memory (pinned as asked, asynchronously
+    from pinned memory), and before the next step back to the device it was on, so the step
+    itself runs on the device at device speed. The state entries are replaced by new tensors
+    each way (an optimizer that keeps its own views of its state, as ragged_optimizers'
+    AdamW and Muon do, reads replaced entries again). State dicts taken between steps hold
+    the host tensors; a state loaded between steps moves to the device at the next step.
+    On a CPU device the moves are copies within host memory.
+
+    Args:
+        optimizer: A torch optimizer (its step hooks are used).
+        pin_memory: Page-lock the host copies when the state was on an accelerator.
+
+    Example:
+        >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        >>> offload = OptimizerStateOffload(opt)
+        >>> model(torch.randn(2, 8)).sum().backward(); opt.step()
+        >>> offload.num_offloaded > 0  # the moments sit in host memory until the next step
+        True
+        >>> offload.remove()
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, pin_memory: bool = True) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {optimizer!r}")
+        if not isinstance(pin_memory, bool):
+            raise TypeError(f"pin_memory must be a bool, got {pin_memory!r}")
+        self._optimizer, self._pin = optimizer, pin_memory
+        # Where each offloaded entry came from, by (parameter id, key): it goes back there.
+        self._devices: dict[tuple[int, str], torch.device] = {}
+        self._hooks = [
+            optimizer.register_step_pre_hook(lambda *_: self._to_device()),
+            optimizer.register_step_post_hook(lambda *_: self._to_host()),
+        ]
+
+    @property
+    def num_offloaded(self) -> int:
+        """State tensors now in host memory (0 while a step runs)."""
+        return len(self._devices)
+
+    def remove(self) -> None:
+        """Brings the state back to its devices and removes the hooks."""
+        self._to_device()
+        for hook in self._hooks:
+            hook.remove()
+
+    def _to_host(self) -> None:
+        for param, state in self._optimizer.state.items():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    self._devices[(id(param), key)] = _local(value).device
+                    pin = self._pin and _local(value).device.type not in ("cpu", "meta")
+                    state[key] = _moved(value, torch.device("cpu"), pin=pin)
+        _synchronize_copies(self._devices.values())
+
+    def _to_device(self) -> None:
+        devices, self._devices = self._devices, {}
+        for param, state in self._optimizer.state.items():
+            for key, value in state.items():
+                device = devices.get((id(param), key))
+                if device is not None and isinstance(value, torch.Tensor):
+                    state[key] = _moved(value, device, pin=False)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _moved(tensor: torch.Tensor, device: torch.device, *, pin: bool) -> torch.Tensor:
+    """A copy of `tensor` on `device` (a DTensor keeps its mesh, placements and shape)."""
+    local = _local(tensor).detach()
+    if pin:
+        moved = torch.empty_like(local, device="cpu", pin_memory=True)
+        moved.copy_(local, non_blocking=True)
+    else:
+        moved = local.to(device, copy=True)
+    if not isinstance(tensor, DTensor):
+        return moved
+    return DTensor.from_local(
+        moved, tensor.device_mesh, tensor.placements, shape=tensor.shape, stride=tensor.stride()
+    )
+
+
+def _synchronize_copies(devices: Iterable[torch.device]) -> None:
+    """Waits for asynchronous copies into pinned memory (their values are read by the host)."""
+    for device in {d for d in devices if d.type == "cuda"}:
+        torch.cuda.synchronize(device)
