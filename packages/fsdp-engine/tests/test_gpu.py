@@ -23,3 +23,14 @@ def test_nccl_training_matches_single_process() -> None:
         pool.run(cases.check_cuda_training)
     finally:
         pool.close()
+
+
+def test_cpu_offload_on_cuda_keeps_state_in_pinned_host_memory() -> None:
+    world = min(2, torch.cuda.device_count())
+    pool = RankPool(world, backend="nccl")
+    try:
+        (result, *_) = pool.run(cases.check_cuda_offload)
+        peaks = result["peak_bytes"]
+        print(f"peak device memory, 3 steps: offloaded {peaks[True]} B, not {peaks[False]} B")
+    finally:
+        pool.close()
