@@ -255,6 +255,48 @@ def check_dtensor_entries(shape: tuple[int, int]) -> None:
         assert grad.placements == buf.sharded(name).placements, name
 
 
+def check_uneven_dtensor_entries(shape: tuple[int, int]) -> None:
+    """Tensors split unevenly over tp (torch.chunk's pieces, some empty): one placement on
+    every rank, the global tensor back from the shards, the local piece from unshard, the
+    pieces' gradients averaged over dp."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+    dp, tp = mesh["dp"], mesh["tp"]
+    num_tp = shape[1]
+    odd = 4 * num_tp - 1 if num_tp > 1 else 5  # 27 at tp 2 would be even at 3: keep it odd
+    gen = torch.Generator().manual_seed(11)
+    cases = {  # name: (global tensor, placement over tp, block_rows, num_shard_dims)
+        "col": (torch.randn(odd, 9, generator=gen), Shard(0), 1, 1),  # rows split unevenly
+        "row": (torch.randn(9, odd, generator=gen), Shard(1), 2, 1),  # row lengths differ
+        "bias": (torch.randn(num_tp + 1, generator=gen), Shard(0), 1, 1),  # tp=4: 2,2,1,0
+        "experts": (torch.randn(num_tp + 1, 3, 4, generator=gen), Shard(0), 1, 2),
+    }
+    placements = []
+    for name, (full, placement, rows, cut) in cases.items():
+        piece = distribute_tensor(full, tp, [placement])
+        buf = DBuffer([(name, piece)], dp, block_rows=rows, num_shard_dims=cut)
+        sharded = buf.sharded(name)
+        assert torch.equal(sharded.full_tensor(), full), name
+        placements.append((name, tuple(sharded.placements)))
+        buf.unshard().wait()
+        assert torch.equal(buf.full(name), piece.to_local()), name
+        buf.reshard()
+        dp_rank = mesh.get_local_rank(0)
+        buf.accumulate_grad(name, torch.full_like(piece.to_local(), float(dp_rank + 1)))
+        buf.reduce_scatter(op="avg").wait()
+        grad = buf.sharded_grad(name)
+        assert torch.equal(grad.full_tensor(), torch.full_like(full, (shape[0] + 1) / 2)), name
+        # The plan's tail past a smaller piece holds nothing: zero after the reduce.
+        covered = sum(t.to_local().numel() for t in buf.sharded_grads().values())
+        assert buf.local_grad[covered:].count_nonzero() == 0 or covered == 0, name
+        buf.copy_({name: piece.to_local() * 2})  # full tensors by name: the piece's shape
+        assert torch.equal(buf.sharded(name).full_tensor(), full * 2), name
+    seen: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, placements)
+    assert all(other == placements for other in seen), seen  # one placement on every rank
+
+
 def check_dtensor_entry_errors() -> None:
     """Bad DTensor entries: each error names the tensor and what would be valid."""
     from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
@@ -263,7 +305,12 @@ def check_dtensor_entry_errors() -> None:
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
     dp, tp = mesh["dp"], mesh["tp"]
     uneven = distribute_tensor(torch.zeros(5, 3), tp, [Shard(0)])
-    expect_error(ValueError, lambda: DBuffer([("u", uneven)], dp), "uneven pieces")
+    plain = torch.zeros(2, 3)
+    expect_error(ValueError, lambda: DBuffer([("u", uneven), ("p", plain)], dp), "must be alone")
+    from dbuffer import BlockFloat8
+
+    fp8 = BlockFloat8(block=(1, 3))
+    expect_error(ValueError, lambda: DBuffer([("u", uneven)], dp, gather_format=fp8), "unevenly")
     partial = DTensor.from_local(torch.zeros(4, 3), tp, [Partial()])
     expect_error(ValueError, lambda: DBuffer([("p", partial)], dp), "Partial")
     even = distribute_tensor(torch.zeros(6, 3), tp, [Shard(0)])

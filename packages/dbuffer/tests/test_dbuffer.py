@@ -46,6 +46,11 @@ def test_dtensor_entries_shard_their_local_pieces(pools, world, shape) -> None:
     pools[world].run(cases.check_dtensor_entry_errors)
 
 
+@pytest.mark.parametrize(("world", "shape"), [(2, (1, 2)), (3, (1, 3)), (4, (2, 2)), (4, (1, 4))])
+def test_uneven_dtensor_entries(pools, world, shape) -> None:
+    pools[world].run(cases.check_uneven_dtensor_entries, shape)
+
+
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_comm_kinds_match_the_reference(pools, world) -> None:
     pools[world].run(cases.check_comm_kinds)

@@ -59,9 +59,10 @@ def test_checkpoint_reshards_across_meshes(pools, tmp_path, save, load) -> None:
     pools[4].run(cases.check_checkpoint, str(tmp_path / "dcp"), save, load)
 
 
-@pytest.mark.parametrize("kind", ["fused", "separate"])
-def test_expert_parallel_matches_one_process(pools, kind) -> None:
-    pools[4].run(cases.check_expert_parallel, kind)
+@pytest.mark.parametrize(("kind", "num_experts"), [("fused", 4), ("separate", 4), ("fused", 3)])
+def test_expert_parallel_matches_one_process(pools, kind, num_experts) -> None:
+    # 3 fused experts over ep=2: 2 and 1 per ep rank, sharded over dp as RaggedShard pieces.
+    pools[4].run(cases.check_expert_parallel, kind, num_experts)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -24,11 +24,11 @@ from rank_pool import expect_error
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
 
 from fsdp_engine import CPUOffloadPolicy, MixedPrecisionPolicy, clip_grad_norm_, fully_shard
-from ragged_placement import RaggedShard, flat_range, local_view
+from ragged_placement import RaggedShard, chunk_range, flat_range, local_view
 
 ROWS_PER_REPLICA = 2
 # Every size divides by 2, 3 and 4: each tensor-parallel split is even (a requirement, tested
@@ -501,28 +501,31 @@ def _expert_parallel(model: MoEModel, kind: str, ep_mesh: DeviceMesh) -> None:
 
 
 def _local_rows(param: DTensor) -> int:
-    """Rows of the block RaggedShard cuts: the global rows, less the other axes' Shard(0)."""
+    """Rows of the block RaggedShard cuts: this rank's chunk of the other axes' Shard(0)."""
     rows = param.shape[0]
     for axis, placement in enumerate(param.placements):
         if placement == Shard(0):
-            rows //= param.device_mesh.size(axis)
+            mesh = param.device_mesh
+            lo, hi = chunk_range(rows, mesh.size(axis), mesh.get_local_rank(axis))
+            rows = hi - lo
     return rows
 
 
-def check_expert_parallel(kind: str) -> None:
+def check_expert_parallel(kind: str, num_experts: int = 4) -> None:
     """4 ranks: dense parameters sharded over all 4, experts over ep=2 and dp=2 (the rest).
 
     Equal to one process running every expert on the whole batch; `block_rows` still holds
-    inside each rank's experts.
+    inside each rank's experts. An odd `num_experts` (fused) splits them unevenly over ep.
     """
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "ep"))
     dense_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
     torch.manual_seed(0)
-    base = MoEModel(kind).double()
+    base = MoEModel(kind, num_experts).double()
     reference, ours = copy.deepcopy(base), base
     _expert_parallel(ours, kind, mesh["ep"])
-    block_rows = 2 if kind == "fused" else 3  # two experts per block; 3 rows of a Linear
+    # Two experts per block (one when the split is uneven); 3 rows of a Linear.
+    block_rows = (2 if num_experts % 2 == 0 else 1) if kind == "fused" else 3
     for block in ours.blocks:
         fully_shard(block, mesh=mesh["dp"], block_rows=block_rows)
         # Each expert's gradient sums the loss gradients of its whole ep group: divided by
@@ -564,7 +567,7 @@ def check_expert_parallel(kind: str) -> None:
         dist.all_reduce(mean)
         torch.testing.assert_close(mean / world, ref_loss.detach())
     ref_params = dict(reference.named_parameters())
-    ep_rank, per_rank = mesh["ep"].get_local_rank(), 4 // mesh["ep"].size()
+    ep_rank, per_rank = mesh["ep"].get_local_rank(), num_experts // mesh["ep"].size()
     for name, param in ours.named_parameters():
         ref_name = name
         parts = name.split(".")  # blocks.{b}.{up|down}.{k}.weight for a separate expert
@@ -581,11 +584,17 @@ def check_expert_parallel(kind: str) -> None:
 def check_bad_input() -> None:
     """Errors that name the parameter and what would be valid."""
     mesh, dp_mesh, tp_mesh = make_mesh((dist.get_world_size() // 2, 2))
-    # A tensor-parallel split that is not even: every tp rank's piece must get one plan.
-    linear = nn.Linear(4, 5)
-    linear.weight = nn.Parameter(distribute_tensor(linear.weight.detach(), tp_mesh, [Shard(0)]))
-    linear.bias = nn.Parameter(distribute_tensor(linear.bias.detach(), tp_mesh, [Replicate()]))
-    expect_error(ValueError, lambda: fully_shard(linear, mesh=dp_mesh), "uneven pieces")
+    # An uneven tensor-parallel split inside the dims a shard boundary may cut (Shard(1) of
+    # experts sharded with Shard(1) over dp): their rows would be numbered differently.
+    experts = nn.Module()
+    uneven = distribute_tensor(torch.zeros(2, 5, 3), tp_mesh, [Shard(1)])
+    experts.register_parameter("w", nn.Parameter(uneven))
+    expect_error(
+        ValueError,
+        lambda: fully_shard(experts, mesh=dp_mesh, shard_placement_fn=lambda p: Shard(1)),
+        "'w' (global shape (2, 5, 3), placements (Shard(dim=1),)) is split unevenly on a dim "
+        "among dims 1..1",
+    )
     # A data-parallel mesh that is not another axis of the parameters' mesh.
     other = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("other",))
     linear = nn.Linear(4, 6)

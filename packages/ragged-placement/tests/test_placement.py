@@ -60,6 +60,28 @@ def test_flat_ranges_tile_the_tensor(units, rows_per_unit, row) -> None:
         assert a1 == b0 and a1 - a0 == u * rows_per_unit * row
 
 
+@given(
+    st.lists(st.integers(0, 5), min_size=1, max_size=8).filter(any),
+    st.integers(1, 3),
+    st.integers(1, 4),
+    st.data(),
+)
+def test_reference_ranges_are_the_reference_rows_cut_off(units, rows_per_unit, row, data) -> None:
+    # An uneven split on another axis: a block with fewer rows (and maybe shorter ones) than
+    # the reference holds each rank's reference rows, cut off at its last row.
+    placement = RaggedShard((0,), tuple(units))
+    reference = (sum(units) * rows_per_unit, row)
+    rows = data.draw(st.integers(0, reference[0]))
+    own_row = data.draw(st.integers(0, row))
+    got = placement.flat_ranges((rows, own_row), len(units), reference=reference)
+    ref_rows = [(lo // row, hi // row) for lo, hi in placement.flat_ranges(reference, len(units))]
+    expected = [(min(lo, rows) * own_row, min(hi, rows) * own_row) for lo, hi in ref_rows]
+    assert list(got) == expected
+    assert got[-1][1] == rows * own_row  # the pieces tile the block
+    with pytest.raises(ValueError, match="cannot count the rows"):
+        placement.flat_ranges((reference[0] + 1, row), len(units), reference=reference)
+
+
 @given(st.lists(st.integers(1, 5), min_size=1, max_size=4), st.data())
 def test_checkpoint_boxes_tile_a_flat_range_in_order(shape, data) -> None:
     import math

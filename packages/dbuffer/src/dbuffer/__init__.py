@@ -11,8 +11,9 @@ Example (`mesh`: a 1-D DeviceMesh; `w`, `b`: tensors):
 from dbuffer._buffer import DBuffer
 from dbuffer._handle import Handle
 from dbuffer._host_shard import HostShard
+from dbuffer._outer import splits_unevenly
 from dbuffer._wire import BlockFloat8
 
 __version__ = "0.1.0"
 
-__all__ = ["BlockFloat8", "DBuffer", "Handle", "HostShard", "__version__"]
+__all__ = ["BlockFloat8", "DBuffer", "Handle", "HostShard", "__version__", "splits_unevenly"]

@@ -41,7 +41,7 @@ from dbuffer._freeable import FreeableBuffer, check_freed_default
 from dbuffer._gradients import Gradients
 from dbuffer._handle import Handle
 from dbuffer._host_shard import HostShard, check_host_shard, compute_device
-from dbuffer._shards import ShardViews
+from dbuffer._shards import ShardViews, held_range
 from dbuffer._streams import record_event
 from dbuffer._wire import BlockFloat8, Float8Wire
 from shard_planner import Layout
@@ -145,6 +145,8 @@ class DBuffer(DeprecatedAxisNames):
         self._comm: ShardComm = comm_for(group, self.device)
         if gather_format is not None and not isinstance(gather_format, BlockFloat8):
             raise TypeError(f"gather_format must be a BlockFloat8 or None, got {gather_format!r}")
+        if gather_format is not None and any(spec.uneven for spec in self._outer.values()):
+            raise ValueError("gather_format cannot gather a tensor split unevenly (its piece)")
         self._wire = (
             None
             if gather_format is None
@@ -583,7 +585,7 @@ class DBuffer(DeprecatedAxisNames):
                     f"copy_ of {name!r}: expected a tensor of shape "
                     f"{tuple(self._shapes[name])}, got {got}"
                 )
-            lo, hi = self.layout.local_range(name, self._rank)
+            lo, hi = held_range(self.layout, name, self._rank, self._shapes[name].numel())
             if hi > lo:
                 start = base + lo - self.layout.offsets[name]
                 self.local[lo:hi].copy_(value.reshape(-1)[start : start + hi - lo])

@@ -52,7 +52,7 @@ class FullGradBuffer:
             check_freed=check_freed,
         )
         self._uninitialized: set[str] = set()
-        self._gaps = _gaps(layout)
+        self._gaps = _gaps(layout, shapes)
 
     def _allocate(self) -> None:
         if not self._memory.allocated:
@@ -115,9 +115,12 @@ class FullGradBuffer:
         self._memory.free()
 
 
-def _gaps(layout: Layout) -> list[tuple[int, int]]:
-    """Ranges of the global buffer that belong to no tensor (padding)."""
-    spans = sorted((off, off + layout.spec(name).numel) for name, off in layout.offsets.items())
+def _gaps(layout: Layout, shapes: dict[str, torch.Size]) -> list[tuple[int, int]]:
+    """Ranges of the global buffer holding no tensor's elements (padding, plan tails).
+
+    A tail: what a tensor smaller than its plan (an uneven tensor-parallel piece) leaves.
+    """
+    spans = sorted((off, off + shapes[name].numel()) for name, off in layout.offsets.items())
     gaps, end = [], 0
     for lo, hi in spans:
         if lo > end:

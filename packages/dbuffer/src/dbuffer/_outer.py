@@ -7,9 +7,11 @@ a DTensor over the DBuffer's axes followed by the tensor's: `(RaggedShard, Shard
 DTensor operation (`full_tensor`, `redistribute`, checkpoints, optimizers) sees the right
 global tensor without the DBuffer knowing what the other axes mean.
 
-The local pieces of every rank of the other axes must have one shape: the DBuffer's plan
-(and so each RaggedShard's `local_units`) is computed from the shapes alone, and a placement
-has to be the same on every rank. So each `Shard(d)` must divide dim d evenly.
+A placement has to be the same on every rank, so the DBuffer of every rank of the other axes
+must plan the same `local_units`. When a `Shard(d)` splits dim d unevenly (torch.chunk's
+pieces: the first ranks hold one more), the plan is made for the first ranks' piece (its
+`reference`) and a smaller piece fills a prefix of it: RaggedShard counts its units in that
+reference block and cuts a smaller block's pieces off at its end (`_entries.py`).
 """
 
 from __future__ import annotations
@@ -33,12 +35,22 @@ class OuterSpec:
         placements: The tensor's placements on its own axes.
         shape: The tensor's global shape.
         stride: The tensor's global stride.
+        reference: The local piece of the first rank of every other axis: the largest
+            (torch.chunk's), equal to every piece when the splits are even.
+        uneven_dims: The dims some Shard(d) splits unevenly (the same on every rank).
     """
 
     mesh: DeviceMesh
     placements: tuple[Placement, ...]
     shape: torch.Size
     stride: tuple[int, ...]
+    reference: torch.Size
+    uneven_dims: tuple[int, ...]
+
+    @property
+    def uneven(self) -> bool:
+        """Whether the pieces differ in shape between ranks of the other axes."""
+        return bool(self.uneven_dims)
 
 
 def _names(mesh: DeviceMesh) -> str:
@@ -47,12 +59,38 @@ def _names(mesh: DeviceMesh) -> str:
     return f"mesh {shape} with axes {names}" if names else f"mesh {shape} without axis names"
 
 
+def splits_unevenly(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a DTensor whose Shard placements leave its ranks unequal pieces.
+
+    Such a tensor must be alone in its DBuffer (every rank plans it the same way there).
+
+    Example:
+        >>> splits_unevenly(torch.ones(3))
+        False
+    """
+    if not isinstance(tensor, DTensor):
+        return False
+    return bool(_first_piece(tensor)[1])
+
+
+def _first_piece(tensor: DTensor) -> tuple[torch.Size, tuple[int, ...]]:
+    """The first ranks' local shape (torch.chunk's largest) and the dims split unevenly."""
+    reference, uneven = list(tensor.shape), set()
+    for axis, placement in enumerate(tensor.placements):  # in mesh order, as DTensor cuts
+        if isinstance(placement, Shard):
+            dim, parts = placement.dim % len(reference), tensor.device_mesh.size(axis)
+            if reference[dim] % parts:
+                uneven.add(dim)
+            reference[dim] = -(-reference[dim] // parts)
+    return torch.Size(reference), tuple(sorted(uneven))
+
+
 def outer_spec(name: str, tensor: DTensor, mesh: DeviceMesh) -> OuterSpec:
     """Checks that DBuffer `mesh` can shard `tensor`'s local piece; returns its OuterSpec.
 
     Raises:
-        ValueError: a placement other than Shard(d) / Replicate, a Shard(d) that does not
-            divide dim d evenly, or meshes that are not disjoint axes of one device mesh.
+        ValueError: a placement other than Shard(d) / Replicate, or meshes that are not
+            disjoint axes of one device mesh.
     """
     tensor_mesh = tensor.device_mesh
     for axis, placement in enumerate(tensor.placements):
@@ -62,19 +100,7 @@ def outer_spec(name: str, tensor: DTensor, mesh: DeviceMesh) -> OuterSpec:
                 f"its {_names(tensor_mesh)}; only Shard(d) and Replicate() can be sharded "
                 f"further (redistribute a Partial first)"
             )
-    shape = tensor.shape
-    splits = [1] * len(shape)
-    for axis, placement in enumerate(tensor.placements):
-        if isinstance(placement, Shard):
-            splits[placement.dim % len(shape)] *= tensor_mesh.size(axis)
-    for dim, parts in enumerate(splits):
-        if shape[dim] % parts:
-            raise ValueError(
-                f"DBuffer tensor {name!r} (shape {tuple(shape)}, placements "
-                f"{tensor.placements}) splits dim {dim} of size {shape[dim]} into {parts} "
-                f"uneven pieces; it must divide evenly, since every rank's piece gets the same "
-                f"plan (pad dim {dim} to a multiple of {parts})"
-            )
+    reference, uneven = _first_piece(tensor)
     if tensor_mesh.device_type != mesh.device_type:
         raise ValueError(
             f"DBuffer tensor {name!r} is on a {tensor_mesh.device_type} mesh, the DBuffer's "
@@ -94,7 +120,14 @@ def outer_spec(name: str, tensor: DTensor, mesh: DeviceMesh) -> OuterSpec:
             f"{_names(mesh)} are not disjoint axes of one device mesh ({exc}); slice both "
             f"from the same init_device_mesh, e.g. mesh['dp'] and mesh['tp']"
         ) from exc
-    return OuterSpec(combined, tuple(tensor.placements), shape, tensor.stride())
+    return OuterSpec(
+        combined,
+        tuple(tensor.placements),
+        tensor.shape,
+        tensor.stride(),
+        reference,
+        uneven,
+    )
 
 
 def check_rows_within_piece(name: str, outer: OuterSpec, local_rows: int, block_rows: int) -> None:

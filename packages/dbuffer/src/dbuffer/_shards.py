@@ -45,6 +45,18 @@ def _split_plan(pieces: Mapping[str, _Piece], size: int) -> tuple[list[int], dic
     return sizes, at
 
 
+def held_range(layout: Layout, name: str, rank: int, numel: int) -> tuple[int, int]:
+    """`rank`'s [start, end) of tensor `name` in its shard, cut off where the tensor ends.
+
+    The planned range, unless the tensor is smaller than its plan (an uneven
+    tensor-parallel piece, `_entries.py`): then the last ranks hold less of it, or nothing.
+    """
+    lo, hi = layout.local_range(name, rank)
+    end = layout.offsets[name] + numel - rank * layout.shard_size  # in the rank's coordinates
+    hi = max(lo, min(hi, end))
+    return lo, hi
+
+
 class ShardViews:
     """Cuts a flat shard of S elements into its tensors' sharded DTensors.
 
@@ -70,7 +82,9 @@ class ShardViews:
         self._mesh, self._shard_axis = mesh, shard_axis
         rank = mesh.get_local_rank(shard_axis)
         self._pieces: dict[str, _Piece] = {
-            name: (0, 0, shape) if shape.numel() == 0 else (*layout.local_range(name, rank), None)
+            name: (0, 0, shape)
+            if layout.spec(name).numel == 0
+            else (*held_range(layout, name, rank, shape.numel()), None)
             for name, shape in shapes.items()
         }
         self._split_sizes, self._split_at = _split_plan(self._pieces, layout.shard_size)

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor, Shard
 
-from dbuffer import BlockFloat8, DBuffer, HostShard
+from dbuffer import BlockFloat8, DBuffer, HostShard, splits_unevenly
 from fsdp_engine._compat import parameter_slots, placement_result
 from fsdp_engine._config import GroupConfig
 from fsdp_engine._device import target_device
@@ -374,7 +374,9 @@ def _build_group(
         where = placements[param]
         fmt = formats.get(found.names[param])
         axes = (id(where.mesh), where.shard_axis, where.replicate_axis)
-        key = (param.dtype, dtypes[param], *axes, fmt)
+        # A tensor split unevenly over its other axes is planned alone (dbuffer's rule).
+        alone = id(param) if splits_unevenly(found.inputs.get(param, param)) else None
+        key = (param.dtype, dtypes[param], *axes, fmt, alone)
         by_buffer.setdefault(key, []).append(param)
     buffers: dict[nn.Parameter, DBuffer] = {}
     for params in by_buffer.values():

@@ -26,7 +26,7 @@ from torch.distributed.tensor.placement_types import Partial, Shard
 
 from ragged_placement._compat import spec_of
 from ragged_placement._placement import RaggedShard, chunk_range
-from ragged_placement._redistribute import block_shape, strided_axes
+from ragged_placement._redistribute import block_shape, ragged_ranges, strided_axes
 from ragged_placement._views import flat_range
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
@@ -89,7 +89,7 @@ def local_boxes(dt: DTensor) -> list[tuple[Box, torch.Tensor]]:
             if other != axis and isinstance(p, Shard):
                 size, parts = spec.shape[p.dim], mesh.size(other)
                 offset[p.dim] += chunk_range(size, parts, coordinate[other])[0]
-        lo, hi = placement.flat_range(block, coordinate[axis])
+        lo, hi = ragged_ranges(spec, axis)[coordinate[axis]]
     local = dt.to_local()
     out = []
     cursor = 0

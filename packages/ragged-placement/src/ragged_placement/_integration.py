@@ -31,6 +31,7 @@ from ragged_placement._placement import RaggedShard, StridedRaggedShard
 from ragged_placement._redistribute import (
     block_shape,
     check_placements,
+    ragged_ranges,
     redistribute_ragged,
     strided_axes,
     strided_chunk,
@@ -108,7 +109,7 @@ class RaggedHooks:
         for axis, p in enumerate(placements):
             if isinstance(p, RaggedShard):
                 block = block_shape(spec, axis)
-                lo, hi = p.flat_ranges(block, mesh.size(axis))[mesh.get_local_rank(axis)]
+                lo, hi = ragged_ranges(spec, axis)[mesh.get_local_rank(axis)]
                 if local.dim() != 1 or local.numel() != hi - lo:
                     raise ValueError(
                         f"the local tensor of {p!r} on this rank must be 1-D with {hi - lo} "

@@ -151,24 +151,72 @@ class RaggedShard(Placement):
             )
         return unit
 
-    def flat_ranges(self, shape: Sequence[int], num_ranks: int) -> tuple[tuple[int, int], ...]:
-        """[start, end) of every rank's piece in the flattened tensor."""
+    def flat_ranges(
+        self, shape: Sequence[int], num_ranks: int, reference: Sequence[int] | None = None
+    ) -> tuple[tuple[int, int], ...]:
+        """[start, end) of every rank's piece in the flattened tensor (or block).
+
+        Args:
+            shape: The block cut: the tensor, or what the other placements leave this rank.
+            num_ranks: The mesh axis's size.
+            reference: The block the units are counted in, when another axis splits the
+                tensor unevenly (torch.chunk's Shard(d)) and `shape` is a smaller block: one
+                placement serves every block, so its units are rows of the largest block
+                (the first ranks'), and a block with fewer rows holds the same row ranges
+                cut off at its end (one with shorter rows, the same rows). Default: `shape`.
+
+        Example:
+            >>> RaggedShard((0,), (2, 2)).flat_ranges((3, 4), 2, reference=(4, 4))
+            ((0, 8), (8, 12))
+        """
         if num_ranks != len(self.local_units):
             raise ValueError(
                 f"{self!r} has {len(self.local_units)} local_units but the mesh axis has "
                 f"{num_ranks} ranks"
             )
-        unit = self.unit_numel(shape)
+        if reference is None or tuple(reference) == tuple(shape):
+            unit, row = self.unit_numel(shape), 1  # units of `unit` elements
+        else:  # units of whole rows of the reference, `row` elements each here
+            ref_row = _check_reference(self, shape, reference)
+            unit, row = (
+                (self.unit_numel(reference) // ref_row if ref_row else 0),
+                (self.row_numel(shape)),
+            )
+        numel = math.prod(shape)
         ranges = []
         start = 0
         for units in self.local_units:
-            ranges.append((start, start + units * unit))
-            start += units * unit
+            end = start + units * unit
+            ranges.append((min(start * row, numel), min(end * row, numel)))
+            start = end
         return tuple(ranges)
 
-    def flat_range(self, shape: Sequence[int], rank: int) -> tuple[int, int]:
-        """[start, end) of `rank`'s piece in the flattened tensor."""
-        return self.flat_ranges(shape, len(self.local_units))[rank]
+    def flat_range(
+        self, shape: Sequence[int], rank: int, reference: Sequence[int] | None = None
+    ) -> tuple[int, int]:
+        """[start, end) of `rank`'s piece in the flattened tensor (see `flat_ranges`)."""
+        return self.flat_ranges(shape, len(self.local_units), reference)[rank]
+
+
+def _check_reference(placement: RaggedShard, shape: Sequence[int], reference: Sequence[int]) -> int:
+    """Checks that rows of `reference` can stand for rows of `shape`; returns its row size.
+
+    The same dims, at least as many rows along dim 0, the same sizes of the other cut dims
+    (so the rows of both are numbered alike); the rows themselves may differ in length.
+    """
+    cut = len(placement.dims)
+    if (
+        len(reference) != len(shape)
+        or not shape
+        or reference[0] < shape[0]
+        or tuple(reference[1:cut]) != tuple(shape[1:cut])
+    ):
+        raise ValueError(
+            f"{placement!r}: the reference block {tuple(reference)} cannot count the rows of "
+            f"the block {tuple(shape)} (it needs as many dims, at least as many along dim 0 "
+            f"and the same sizes of the cut dims 1..{cut - 1})"
+        )
+    return placement.row_numel(reference)
 
 
 class StridedRaggedShard(Placement):

@@ -120,6 +120,38 @@ def block_shape(spec: DTensorSpec, skip_axis: int) -> list[int]:
     return shape
 
 
+def reference_block_shape(spec: DTensorSpec, skip_axis: int) -> list[int]:
+    """The largest block the other axes' Shard placements leave: that of their first ranks.
+
+    torch's Shard(d) cuts as torch.chunk does, so with uneven splits the first rank of an
+    axis holds the most; the RaggedShard on `skip_axis` counts its units in this block, the
+    same on every rank (`RaggedShard.flat_ranges`'s reference).
+    """
+    shape = list(spec.shape)
+    for axis, p in enumerate(spec.placements):
+        if axis != skip_axis and isinstance(p, Shard):
+            lo, hi = chunk_range(shape[p.dim], spec.mesh.size(axis), 0)
+            shape[p.dim] = hi - lo
+    return shape
+
+
+def ragged_ranges(spec: DTensorSpec, axis: int) -> tuple[tuple[int, int], ...]:
+    """Every rank's flat range, along `axis` (a RaggedShard), of this rank's block."""
+    placement = spec.placements[axis]
+    assert isinstance(placement, RaggedShard)
+    block, reference = block_shape(spec, axis), reference_block_shape(spec, axis)
+    return placement.flat_ranges(block, spec.mesh.size(axis), reference)
+
+
+def _ranges_as(spec: DTensorSpec, axis: int, placement: RaggedShard) -> tuple[tuple[int, int], ...]:
+    """`ragged_ranges` with `placement` in place of `spec`'s on `axis` (a target's ranges)."""
+    placements = list(spec.placements)
+    placements[axis] = placement
+    return ragged_ranges(
+        DTensorSpec(spec.mesh, tuple(placements), tensor_meta=spec.tensor_meta), axis
+    )
+
+
 def _shard0_ranges(shape: Sequence[int], parts: int) -> tuple[tuple[int, int], ...]:
     row = math.prod(shape[1:])
     rows = (chunk_range(shape[0], parts, i) for i in range(parts))
@@ -141,11 +173,11 @@ def _single_axis(
     shape = block_shape(spec, axis)
     numel = math.prod(shape)
     if isinstance(src, RaggedShard):
-        old = src.flat_ranges(shape, parts)
+        old = ragged_ranges(spec, axis)
         if isinstance(dst, Replicate):
             return gather_pieces(local, old, group, numel, async_op=async_op).view(shape)
         if isinstance(dst, RaggedShard):
-            new = dst.flat_ranges(shape, parts)
+            new = _ranges_as(spec, axis, dst)
             return exchange_pieces(local, old, new, group, async_op=async_op)
         if isinstance(dst, Shard) and dst.dim == 0 and shape:
             new = _shard0_ranges(shape, parts)
@@ -153,7 +185,7 @@ def _single_axis(
             return out.view(-1, *shape[1:])
         return None
     assert isinstance(dst, RaggedShard)
-    new = dst.flat_ranges(shape, parts)
+    new = _ranges_as(spec, axis, dst)
     lo, hi = new[mesh.get_local_rank(axis)]
     if isinstance(src, Replicate):
         # clone: the piece must not keep the whole replicated block alive.
@@ -204,7 +236,6 @@ def _redistribute_plain(
     async_op: bool,
 ) -> torch.Tensor:
     # Both specs were validated by redistribute_ragged (unstriding keeps them valid).
-    mesh_shape = tuple(current.mesh.shape)
     if current.placements == target.placements:
         return local
     changed = [
@@ -232,10 +263,7 @@ def _redistribute_plain(
             spec = DTensorSpec(current.mesh, current.placements, tensor_meta=current.tensor_meta)
             shape = block_shape(spec, axis)
             local = gather_pieces(
-                local,
-                p.flat_ranges(shape, mesh_shape[axis]),
-                current.mesh.get_group(axis),
-                math.prod(shape),
+                local, ragged_ranges(spec, axis), current.mesh.get_group(axis), math.prod(shape)
             ).view(shape)
     plain_dst = tuple(Replicate() if isinstance(p, RaggedShard) else p for p in target.placements)
     src_spec = DTensorSpec(current.mesh, plain_src, tensor_meta=current.tensor_meta)
@@ -244,8 +272,6 @@ def _redistribute_plain(
         local = original(local, src_spec, dst_spec)
     for axis, p in enumerate(target.placements):
         if isinstance(p, RaggedShard):
-            lo, hi = p.flat_ranges(list(local.shape), mesh_shape[axis])[
-                current.mesh.get_local_rank(axis)
-            ]
+            lo, hi = ragged_ranges(target, axis)[current.mesh.get_local_rank(axis)]
             local = local.reshape(-1)[lo:hi].clone()
     return local

@@ -15,7 +15,7 @@ from ragged_placement._compat import (
     spec_of,
 )
 from ragged_placement._placement import RaggedShard, StridedRaggedShard
-from ragged_placement._redistribute import block_shape, strided_axes
+from ragged_placement._redistribute import block_shape, ragged_ranges, strided_axes
 
 
 def _ragged_axis(dt: DTensor) -> tuple[int, RaggedShard | StridedRaggedShard]:
@@ -49,8 +49,7 @@ def flat_range(dt: DTensor) -> tuple[int, int]:
             dt.device_mesh.get_local_rank(found[2]),
         )
         return lo * row, hi * row
-    shape = block_shape(spec, axis)
-    return placement.flat_range(shape, dt.device_mesh.get_local_rank(axis))
+    return ragged_ranges(spec, axis)[dt.device_mesh.get_local_rank(axis)]
 
 
 def local_view(dt: DTensor) -> torch.Tensor:
