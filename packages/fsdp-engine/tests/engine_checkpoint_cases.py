@@ -114,10 +114,17 @@ def _init_weights(model: nn.Module) -> None:
             nn.init.trunc_normal_(param, std=0.02, a=-0.04, b=0.04)
 
 
-def check_meta_init() -> dict[str, int]:
+def check_meta_init(offload: bool = False) -> dict[str, int]:
     """Meta-device model -> fully_shard -> to_empty -> the model's own init: the parameters
     equal one process's init with the same seed, and the peak is about one shard (plus one
-    full parameter at a time: a random fill draws the whole tensor on every rank)."""
+    full parameter at a time: a random fill draws the whole tensor on every rank).
+
+    `offload`: with CPUOffloadPolicy, as a fine-tuning job builds a model too large for the
+    device: the shards materialize in host memory (the buffers stay offloaded).
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    policy = CPUOffloadPolicy() if offload else OffloadPolicy()
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     cfg = Config(vocab=2048, dim=256, num_heads=4, num_layers=4, hidden=688)
@@ -129,8 +136,8 @@ def check_meta_init() -> dict[str, int]:
 
     def build() -> None:
         for layer in model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, offload_policy=policy)
+        fully_shard(model, mesh=mesh, offload_policy=policy)
         model.to_empty(device="cpu")
         torch.manual_seed(0)
         _init_weights(model)
@@ -144,6 +151,14 @@ def check_meta_init() -> dict[str, int]:
     for name, param in model.named_parameters():
         assert not param.is_meta and param.device.type == "cpu"
         assert torch.equal(param.full_tensor(), expected[name]), name
+    from fsdp_engine._state import STATE_ATTR
+
+    for module in model.modules():
+        state = getattr(module, STATE_ATTR, None)
+        if state is not None and state.group is not None:
+            for buffer in state.group.buffers:
+                assert (buffer.host_shard is not None) == offload, buffer
+                assert buffer.device.type == "cpu" and buffer.local.device.type == "cpu"
     # The shard, one full parameter and its piece, and small temporaries (the gradient
     # shard is made at the first reduce).
     assert peak <= shard_bytes + 2 * largest + 256 * 1024, (peak, shard_bytes, largest)

@@ -35,9 +35,12 @@ def test_offloaded_checkpoints_interoperate_with_fsdp2(pools, tmp_path, saver, l
 
 @pytest.mark.parametrize("world", [1, 3, 4])
 def test_meta_device_init_equals_one_process_and_allocates_one_shard(pools, world) -> None:
-    for r in pools[world].run(cases.check_meta_init):
-        peak, shard, model = r["peak"], r["shard_bytes"], r["model_bytes"]
-        print(f"world {world}: peak {peak} B, shard {shard} B, model {model} B")
+    for offload in (False, True):  # CPUOffloadPolicy: materialized into host shards
+        for r in pools[world].run(cases.check_meta_init, offload):
+            peak, shard, model = r["peak"], r["shard_bytes"], r["model_bytes"]
+            print(
+                f"world {world} offload {offload}: peak {peak} B, shard {shard} B, model {model} B"
+            )
 
 
 @pytest.mark.parametrize("world", [1, 3])
