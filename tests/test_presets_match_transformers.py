@@ -47,6 +47,7 @@ class _Recorder:
         self.taken: set[int] = set()
         self.groups: list[set[str]] = []
         self.kwargs: list[dict[str, object]] = []
+        self.prefetch: dict[tuple[int, str], list[torch.nn.Module]] = {}
 
     def __call__(self, module: object, **kwargs: object) -> object:
         self.kwargs.append(kwargs)
@@ -57,6 +58,12 @@ class _Recorder:
         }  # fmt: skip
         self.taken |= group
         self.groups.append({self.names[i] for i in group})
+        for m in modules:  # FSDPModule's prefetch setters, recording what they are given
+            for kind in ("forward", "backward"):
+                setter = f"set_modules_to_{kind}_prefetch"
+                m.__dict__[setter] = lambda targets, m=m, kind=kind: self.prefetch.__setitem__(
+                    (id(m), kind), list(targets)
+                )
         return module
 
 
@@ -91,15 +98,17 @@ def test_printed_calls_apply_verbatim_and_make_the_planned_groups(preset_name) -
 
 
 @pytest.mark.parametrize(
-    ("preset_name", "num_ranks", "uses_ep"),
-    [("deepseek-v3-671b", 1024, True), ("gpt-oss-120b", 64, True), ("qwen3-30b-a3b", 64, True),
-     ("qwen3-235b-a22b", 512, True), ("llama3-70b", 128, False)],
+    ("preset_name", "num_ranks", "uses_ep", "extra"),
+    [("deepseek-v3-671b", 1024, True, []), ("gpt-oss-120b", 64, True, []),
+     ("qwen3-30b-a3b", 64, True, []), ("qwen3-235b-a22b", 512, True, []),
+     ("llama3-70b", 128, False, []), ("llama3-70b", 128, False, ["--prefetch", "2"]),
+     ("gpt-oss-120b", 64, True, ["--prefetch", "2"])],
 )  # fmt: skip
 def test_advise_output_runs_as_printed(
-    preset_name, num_ranks, uses_ep, capsys, monkeypatch
+    preset_name, num_ranks, uses_ep, extra, capsys, monkeypatch
 ) -> None:
     argv = ["advise", "--preset", preset_name, "--ranks", str(num_ranks), "--memory-gb", "80"]
-    argv += ["--compute-bytes", "2", "--tokens-per-rank", "4096", "--top-k", "4"]
+    argv += ["--compute-bytes", "2", "--tokens-per-rank", "4096", "--top-k", "4", *extra]
     assert main(argv) == 0
     out = capsys.readouterr().out
     # Fused experts (as transformers holds them) are searched with expert parallelism too;
@@ -140,3 +149,12 @@ def test_advise_output_runs_as_printed(
     assert math.prod(meshes[0]) == num_ranks
     assert all(kw["mp_policy"].param_dtype == torch.bfloat16 for kw in record.kwargs)
     assert all(kw["block_rows"] == 1 for kw in record.kwargs)
+    # A plan that prefetches deeper than FSDP's default prints the settings as code: every
+    # group but the root's is given the groups after it in the model's module order.
+    prefetches = "set_modules_to_forward_prefetch" in code
+    assert prefetches or not extra, code  # asked for 2 deep: printed
+    if prefetches:
+        forward = {k[0]: v for k, v in record.prefetch.items() if k[1] == "forward"}
+        assert len(forward) == len(record.groups) - 1, (len(forward), len(record.groups))
+        firsts = [targets[0] for targets in forward.values() if targets]
+        assert firsts and all(isinstance(m, torch.nn.Module) for m in firsts)

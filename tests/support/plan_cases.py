@@ -25,6 +25,7 @@ from shard_planner import Candidate, GroupSpec, advise, estimate
 from shard_planner._compute import ComputeModel
 from shard_planner._expert_parallel import expert_groups_under_ep
 from shard_planner._granularity import fully_shard_calls, split_experts
+from shard_planner._recipe import prefetch_lines
 
 NUM_EXPERTS = 8
 
@@ -62,7 +63,16 @@ def _apply(candidate: Candidate, groups: list[GroupSpec]) -> tuple[Decoder, list
         dense_mesh="dense_mesh" if dense is not None else None,
     )
     reshard = candidate.estimate.reshard_after_forward
-    scope["fully_shard"] = functools.partial(fully_shard, mesh=mesh, reshard_after_forward=reshard)
+    bound = functools.partial(fully_shard, mesh=mesh, reshard_after_forward=reshard)
+    made: list[torch.nn.Module] = []
+
+    def record(module: Any, **kwargs: Any) -> Any:  # the recipe's wrapper (setup_lines)
+        made.append(module[0] if isinstance(module, list) else module)
+        return bound(module, **kwargs)
+
+    scope.update(fully_shard=record, made=made)
+    # The recipe's prefetch code, two groups deep (the plans here ask for one or two).
+    code += prefetch_lines(2)
     exec("\n".join(code), scope)
     return model, code
 
@@ -98,6 +108,15 @@ def _check(candidate: Candidate, groups: list[GroupSpec]) -> dict[str, Any]:
         if isinstance(m, FSDPModule)
     }.values()
     buffers = [b for s in states if s.group is not None for b in s.group.buffers]
+    # The prefetch code: each group's targets are the next two / previous two groups in
+    # the model's module order, one state each.
+    order = list(dict.fromkeys(
+        m._fsdp_engine_state for m in model.modules() if isinstance(m, FSDPModule)
+        and m is not model
+    ))  # fmt: skip
+    for i, state in enumerate(order):
+        assert state.config.forward_prefetch == tuple(order[i + 1 : i + 3]), (i, code)
+        assert state.config.backward_prefetch == tuple(order[max(i - 2, 0) : i][::-1]), i
     # One group per planned group, each one DBuffer (one dtype): as the plan counts them.
     assert len(buffers) == len(split_experts(groups, candidate.expert_groups) or ()), code
     assert sum(b.local.nbytes for b in buffers) == est.param_bytes, (code, est)

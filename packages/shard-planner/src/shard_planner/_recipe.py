@@ -76,8 +76,9 @@ def setup_lines(
             f"mp_policy = MixedPrecisionPolicy(param_dtype={compute}, reduce_dtype={reduce})"
         )
     reshard = "True" if est.reshard_after_forward else "False"
+    bound = "shard" if est.prefetch > 1 else "fully_shard"
     lines += [
-        "fully_shard = functools.partial(",
+        f"{bound} = functools.partial(",
         "    fsdp_fully_shard,",
         "    mesh=mesh,",
         "    mp_policy=mp_policy,",
@@ -85,10 +86,44 @@ def setup_lines(
         f"    reshard_after_forward={reshard},",
         ")",
     ]
+    if est.prefetch > 1:  # each call's module is kept for the prefetch settings at the end
+        lines += [
+            "made = []",
+            "",
+            "",
+            "def fully_shard(module, **kwargs):",
+            "    made.append(module[0] if isinstance(module, list) else module)",
+            "    return shard(module, **kwargs)",
+            "",
+            "",
+        ]
     if est.checkpointing:
         which = checkpointed_blocks(est)
         lines.append(f"# activation checkpointing of {which} first (checkpoint_wrapper)")
     return lines
+
+
+def prefetch_lines(depth: int, root: str = "model") -> list[str]:
+    r"""Code making each group prefetch `depth` groups ahead (forward) and behind (backward).
+
+    The groups are the modules `made` holds (each `fully_shard` call's, recorded by the
+    setup's wrapper), in `root.modules()`'s order: a model's forward order when its blocks
+    are registered in the order they run. The lines run after the calls.
+
+    Example:
+        >>> print("\n".join(prefetch_lines(2)[-3:]))
+        for i, group in enumerate(groups):
+            group.set_modules_to_forward_prefetch(groups[i + 1 : i + 3])
+            group.set_modules_to_backward_prefetch(groups[max(i - 2, 0) : i][::-1])
+    """
+    return [
+        f"# each group gathers the next {depth} ahead in forward, the last {depth} in backward",
+        f"order = {{id(m): i for i, m in enumerate({root}.modules())}}",
+        f"groups = sorted((m for m in made if m is not {root}), key=lambda m: order[id(m)])",
+        "for i, group in enumerate(groups):",
+        f"    group.set_modules_to_forward_prefetch(groups[i + 1 : i + {depth + 1}])",
+        f"    group.set_modules_to_backward_prefetch(groups[max(i - {depth}, 0) : i][::-1])",
+    ]
 
 
 def _mesh(name: str, outer: int, inner: int | tuple[int, ...], names: tuple[str, ...]) -> str:
@@ -121,10 +156,7 @@ def layout_lines(
         dense_mesh="dense_mesh" if est.dense_shard_size is not None else None,
     )
     if est.prefetch > 1:
-        code.append(
-            f"# then each group prefetches the next {est.prefetch}: "
-            f"set_modules_to_forward_prefetch / set_modules_to_backward_prefetch"
-        )
+        code += prefetch_lines(est.prefetch)
     lines = [
         f"memory of the first, per rank: {memory_parts(est)}",
         f"the first plan as code ({candidate.replicate_size * candidate.shard_size} ranks, "
