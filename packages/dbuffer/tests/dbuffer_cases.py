@@ -310,7 +310,7 @@ def check_dtensor_entry_errors() -> None:
     from dbuffer import BlockFloat8
 
     fp8 = BlockFloat8(block=(1, 3))
-    expect_error(ValueError, lambda: DBuffer([("u", uneven)], dp, gather_format=fp8), "unevenly")
+    expect_error(ValueError, lambda: DBuffer([("u", uneven)], dp, gather_format=fp8), "gather 'u'")
     partial = DTensor.from_local(torch.zeros(4, 3), tp, [Partial()])
     expect_error(ValueError, lambda: DBuffer([("p", partial)], dp), "Partial")
     even = distribute_tensor(torch.zeros(6, 3), tp, [Shard(0)])

@@ -145,17 +145,21 @@ class DBuffer(DeprecatedAxisNames):
         self._comm: ShardComm = comm_for(group, self.device)
         if gather_format is not None and not isinstance(gather_format, BlockFloat8):
             raise TypeError(f"gather_format must be a BlockFloat8 or None, got {gather_format!r}")
-        if gather_format is not None and any(spec.uneven for spec in self._outer.values()):
-            raise ValueError("gather_format cannot gather a tensor split unevenly (its piece)")
+        uneven = [name for name, spec in self._outer.items() if spec.uneven]
+        if gather_format is not None and uneven:
+            raise ValueError(
+                f"gather_format cannot gather {uneven[0]!r}: it is split unevenly over its "
+                f"other mesh axes, and fp8 blocks need one plan on every rank; gather it plainly"
+            )
         self._wire = (
             None
             if gather_format is None
             else Float8Wire(gather_format, self.layout, self._shapes, self._rank)
         )
-        where = "cpu" if host_shard is not None and self.device.type != "meta" else self.device
-        self.local = torch.zeros(self.layout.shard_size, dtype=self.dtype, device=where)
-        if host_shard is not None:  # pinned as asked
-            self.local = host_shard.place(self.local, self.device)
+        if host_shard is None:
+            self.local = torch.zeros(self.layout.shard_size, dtype=self.dtype, device=self.device)
+        else:  # in host memory, pinned as asked
+            self.local = host_shard.empty(self.layout.shard_size, self.dtype, self.device).zero_()
         self.copy_(dict(tensors))
         self._views = ShardViews(
             self.layout, self._shapes, self._outer, mesh, self.shard_axis, self.local

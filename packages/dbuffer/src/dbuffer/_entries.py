@@ -107,9 +107,7 @@ def _planned_shape(name: str, shape: torch.Size, outer: OuterSpec, cut: int) -> 
             f"the shard axis cuts too; an uneven split may fall on dim 0 or on the dims "
             f"after num_shard_dims={cut}"
         )
-    if not outer.uneven or reference == shape:
-        return shape
-    return torch.Size([reference[0], *shape[1:]])
+    return torch.Size([reference[0], *shape[1:]]) if outer.uneven else shape
 
 
 def chunk_layout(spec: TensorSpec, world: int) -> Layout:

@@ -69,8 +69,6 @@ def init_state(
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {mp_policy!r}")
     override = override_fn(mp_policy, param_dtype_override_fn)
-    if not isinstance(offload_policy, OffloadPolicy):
-        raise TypeError(f"offload_policy must be an OffloadPolicy, got {offload_policy!r}")
     ignored = _check_ignored(ignored_params)
     found = _collect_params(modules, ignored)
     if spmd is not None:
