@@ -23,3 +23,7 @@ def test_uneven_tp_checkpoint_reshards_and_interoperates(pools, tmp_path, saver,
     pools[4].run(cases.check_uneven_tp_load, str(tmp_path), (2, 2), loader)
     if loader == "ours":
         pools[4].run(cases.check_uneven_tp_load, str(tmp_path), (1, 4), loader)
+
+
+def test_uneven_offloaded_state_dicts_round_trip(pools) -> None:
+    pools[4].run(cases.check_state_dict_round_trip)
