@@ -82,7 +82,12 @@ def test_estimate_counts_activations_and_recompute() -> None:
     acts = ActivationModel(seq_len=8192)
     full = estimate(groups, shard_size=8, compute_bytes=2, activations=acts)
     assert full.activation_bytes == acts.bytes_for(groups, compute_bytes=2)
-    assert full.memory_bytes == plain.memory_bytes + full.activation_bytes
+    # Every activation is alive when backward begins (the loss's bytes on the last group):
+    # the peak is there, beside the two groups gathered, before any gradient is reduced.
+    assert full.peak.phase == f"backward of {groups[-1].name}", full.peak
+    assert full.peak.activation_bytes == full.activation_bytes and full.peak.grad_bytes == 0
+    assert full.peak.gathered_bytes == full.prefetch_unsharded_bytes
+    assert plain.memory_bytes < full.memory_bytes <= plain.memory_bytes + full.activation_bytes
     ac = estimate(groups, shard_size=8, compute_bytes=2,
                   activations=ActivationModel(seq_len=8192, checkpointing=True))  # fmt: skip
     # Checkpointing keeps the blocks' inputs; the fp32 loss's 12 bytes per logit (here 12 GB

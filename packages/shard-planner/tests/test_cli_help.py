@@ -196,6 +196,6 @@ def test_no_fit_names_the_rank_count_that_fits(capsys) -> None:
     assert main(["advise", "--preset", "llama3-70b", "--ranks", "8", "--memory-gb", "80"]) == 0
     out = capsys.readouterr().out
     # 70.6B parameters with fp32 AdamW: 16 bytes each, 1.13 TB of state; 16 ranks hold it.
-    assert "next lever: more ranks: 16 fit (1 x 16, 76.8 GiB per rank)" in out, out[-1500:]
+    assert "next lever: more ranks: 16 fit (1 x 16, 78.8 GiB per rank)" in out, out[-1500:]
     assert main(["advise", "--preset", "llama3-70b", "--ranks", "16", "--memory-gb", "80"]) == 0
     assert "| 1 | 1 x 16 |" in capsys.readouterr().out  # and it does

@@ -82,12 +82,12 @@ def test_advise_fits_deepseek_at_1024_by_splitting_experts(capsys) -> None:
     memory = 80 * 2**30
     whole = advise(groups, num_ranks=1024, ranks_per_node=8, memory_bytes=memory,
                    compute_bytes=2, expert_groups=(0,))  # fmt: skip
-    assert whole == []  # no mesh split fits with blocks whole (95.7 GiB at best)
+    assert whole == []  # no mesh split fits with blocks whole (117.0 GiB at best)
     ranked = advise(groups, num_ranks=1024, ranks_per_node=8, memory_bytes=memory,
                     compute_bytes=2)  # fmt: skip
     assert ranked and ranked[0].expert_groups > 0 and ranked[0].headroom >= 0.1
     two = [c for c in ranked if c.expert_groups == 2 and c.shard_size == 1024]
-    assert round(two[0].memory_bytes / 2**30, 1) == 51.9  # what splitting in 2 was found to give
+    assert round(two[0].memory_bytes / 2**30, 1) == 52.5  # what splitting in 2 was found to give
     argv = ["advise", "--preset", "deepseek-v3-671b-per-expert", "--ranks", "1024"]
     argv += ["--memory-gb", "80"]
     assert main([*argv, "--compute-bytes", "2"]) == 0

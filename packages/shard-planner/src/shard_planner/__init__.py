@@ -23,6 +23,7 @@ from shard_planner._estimate_checks import OPTIMIZERS
 from shard_planner._granularity import fully_shard_calls, split_experts
 from shard_planner._layout import Layout, LayoutError, dump_plan, load_plan
 from shard_planner._links import Links, fit_links, load_links
+from shard_planner._peak import Peak
 from shard_planner._plan import ORDERS, plan_layout
 from shard_planner._presets import (
     GroupSpec,
@@ -49,6 +50,7 @@ __all__ = [
     "LayoutError",
     "Links",
     "ModelPreset",
+    "Peak",
     "TensorSpec",
     "__version__",
     "advise",

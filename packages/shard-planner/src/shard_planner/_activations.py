@@ -104,6 +104,48 @@ class ActivationModel:
         # The loss's backward comes before any block's: the two peaks do not meet.
         return round(self.tokens * (always + max(recomputed * self.scale * compute_bytes, loss)))
 
+    def by_group(
+        self, groups: Sequence[GroupSpec], *, compute_bytes: int
+    ) -> tuple[list[int], list[int]]:
+        """Each group's activations of one micro-batch: (kept, alive only in its backward).
+
+        Kept: what the group's forward leaves for its backward (a checkpointed block: its
+        input, on the block's first group). Alive only in its backward: a checkpointed
+        block's activations, recomputed (on each of the block's groups), and on the last
+        group, whose backward comes first, the loss's bytes. Summed as `bytes_for` sums them,
+        the kept bytes and the largest of the others are its count.
+
+        Example:
+            >>> layer = GroupSpec.from_shapes("layers.0", {"layers.0.w.weight": (256, 64)})
+            >>> ActivationModel(seq_len=8, checkpointing=True).by_group([layer], compute_bytes=2)
+            ([1024], [5120])
+        """
+        share = routed_share(groups, self.top_k)
+        ratio = self.checkpoint_ratio if self.checkpointing else None
+        per_token = [_kept_per_token(g, share) * self.scale * compute_bytes for g in groups]
+        index = [block_index(g.name) for g in groups]
+        checkpointed = [is_checkpointed(i, ratio) for i in index]
+        block_total: dict[int | None, float] = {}
+        block_input: dict[int | None, int] = {}
+        for group, i, kept, again in zip(groups, index, per_token, checkpointed, strict=True):
+            if again:
+                block_total[i] = block_total.get(i, 0.0) + kept
+                block_input[i] = max(block_input.get(i, 0), _input_width(group))
+        kept_out: list[int] = []
+        extra_out: list[int] = []
+        for i, kept, again in zip(index, per_token, checkpointed, strict=True):
+            if again:  # the input once, on the block's first group
+                width = block_input.pop(i, 0)
+                kept_out.append(round(self.tokens * width * compute_bytes))
+                extra_out.append(round(self.tokens * block_total[i]))
+            else:
+                kept_out.append(round(self.tokens * kept))
+                extra_out.append(0)
+        if groups:
+            loss = self.tokens * vocab_size(groups) * self.loss_bytes_per_logit
+            extra_out[-1] = max(extra_out[-1], loss)
+        return kept_out, extra_out
+
 
 def check_ratio(ratio: object) -> tuple[int, int]:
     """A checkpoint ratio (p, q): integers with 1 <= p <= q <= 64.

@@ -172,8 +172,12 @@ def advise(
         chosen = {**options, **choice}
         # Splits whose sharded state and activations alone exceed the memory are not
         # estimated (unless all are asked for): padding and transients only add to them.
+        # Lower bounds of the peak: the update holds the sharded state; backward's start,
+        # all but the gradients with every activation (and every group kept gathered).
         floor = numel * _bytes_per_element(chosen)
-        act = acts.bytes_for(grouped, compute_bytes=gathered) if acts else 0
+        floor_no_grads = floor - numel * chosen.get("param_bytes", 4)
+        kept, extra = acts.by_group(grouped, compute_bytes=gathered) if acts else ([0], [0])
+        act = sum(kept) + extra[-1]
         for (replicate, shard), reshard, depth in itertools.product(
             factorisations(num_ranks),
             _reshard_settings(reshard_after_forward),
@@ -183,7 +187,8 @@ def advise(
                 continue  # every group is gathered already
             if shard < min_shard_size or shard % ep:
                 continue
-            held = floor / shard + act + activation_bytes + (0 if reshard else numel * gathered)
+            start = floor_no_grads / shard + act + (0 if reshard else numel * gathered)
+            held = max(floor / shard, start) + activation_bytes
             if not include_all and held > memory_bytes:
                 continue
             base_padding = 1.0
@@ -293,10 +298,9 @@ def _choices(
 
 def _bytes_per_element(options: dict[str, Any]) -> int:
     """The least state `estimate` counts per parameter: parameter, gradient, optimizer."""
-    param = options.get("param_bytes", 4)
-    grad = options.get("grad_bytes", 4)
+    param = options.get("param_bytes", 4)  # the sharded gradients keep the parameters' dtype
     optimizer = {"adamw": 2 * param, "sgd": param, "muon": param, "adamw8bit": 2}
-    return int(param + grad + optimizer.get(options.get("optimizer", "adamw"), 0))
+    return int(2 * param + optimizer.get(options.get("optimizer", "adamw"), 0))
 
 
 def _ep_degrees(

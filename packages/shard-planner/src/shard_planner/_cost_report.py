@@ -37,6 +37,7 @@ def format_estimate(est: Estimate) -> str:
             "peak per rank" + ("" if est.activation_bytes else ", no activations"),
             f"{est.memory_bytes / _GIB:.3f} GiB",
         ),
+        ("  at the peak", memory_parts(est)),
         (
             "micro-batches per step",
             f"{est.micro_batches} (each gathers and reduce-scatters: FSDP's default)",
@@ -106,16 +107,19 @@ def format_candidates(
 
 def memory_parts(est: Estimate) -> str:
     """The peak per rank by part, in one line (GiB)."""
+    peak = est.peak
     parts = [
         ("parameters", est.param_bytes),
-        ("gradients", est.grad_bytes),
         ("optimizer", est.optimizer_bytes),
-        ("gathered", est.prefetch_unsharded_bytes),
-        ("reduce-scatter input", est.reduce_scatter_input_bytes),
-        ("activations", est.activation_bytes),
+        ("gradients", peak.grad_bytes),
+        ("activations", peak.activation_bytes),
+        ("gathered", peak.gathered_bytes),
+        ("unsharded gradients", peak.reduce_input_bytes),
     ]
+    if peak.update_bytes:
+        parts.append(("update", peak.update_bytes))
     text = ", ".join(f"{name} {nbytes / _GIB:.1f}" for name, nbytes in parts)
-    return f"{text} = {est.memory_bytes / _GIB:.1f} GiB"
+    return f"{text} = {est.memory_bytes / _GIB:.1f} GiB (at the peak: {peak.phase})"
 
 
 def checkpointed_blocks(est: Estimate) -> str:

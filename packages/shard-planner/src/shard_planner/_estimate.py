@@ -27,6 +27,7 @@ from shard_planner._expert_parallel import all_to_all, expert_groups_under_ep, n
 from shard_planner._granularity import block_index, dense_blocks
 from shard_planner._layout import Layout
 from shard_planner._network import Net, Span, collective_times
+from shard_planner._peak import GroupBytes, Peak, step_peak
 from shard_planner._plan import plan_layout
 from shard_planner._presets import GroupSpec
 from shard_planner._spec import TensorSpec, check_count, check_world_size
@@ -58,6 +59,7 @@ class Estimate:
     padding_bytes: int
     numel: int
     comm_time_s: float
+    peak: Peak
     compute_time_s: float = 0.0
     step_time_s: float = 0.0
     flops_per_token: float = 0.0
@@ -103,20 +105,13 @@ class Estimate:
 
     @property
     def memory_bytes(self) -> int:
-        """Peak per rank: sharded state plus the step's transients and the activations.
+        """Peak per rank: sharded parameters and optimizer state, and the step's peak.
 
-        param + grad + optimizer + prefetch_unsharded (two adjacent groups gathered) +
-        reduce_scatter_input (the largest group's unsharded gradients) + activation (0
-        unless an `ActivationModel` was given).
+        param + optimizer + `peak.total_bytes` (the largest live set of the step's phases,
+        `_peak.py`: gradients reduced so far, activations, gathered groups, reduce-scatter
+        inputs; or the update's).
         """
-        return (
-            self.activation_bytes
-            + self.param_bytes
-            + self.grad_bytes
-            + self.optimizer_bytes
-            + self.prefetch_unsharded_bytes
-            + self.reduce_scatter_input_bytes
-        )
+        return self.param_bytes + self.optimizer_bytes + self.peak.total_bytes
 
 
 def _real_per_rank(layout: Layout) -> list[int]:
@@ -318,6 +313,44 @@ def _timing(
     }
 
 
+def _peak(
+    groups: Sequence[GroupSpec],
+    full: Sequence[int],
+    shard_sizes: Sequence[int],
+    element_bytes: tuple[int, int, int],
+    activations: ActivationModel | None,
+    prefetch: int,
+    reshard_after_forward: bool,
+    micro_batches: int,
+) -> tuple[Peak, int]:
+    """`step_peak` of the groups, and the most bytes gathered at once.
+
+    `element_bytes`: bytes per element gathered, of the reduce-scatter input and of the
+    sharded gradient. Backward makes a group's unsharded gradients in the compute dtype: as
+    many bytes as it gathers.
+    """
+    compute_bytes, reduce_bytes, grad_bytes = element_bytes
+    gathered = [f * compute_bytes for f in full]
+    # At most prefetch + 1 adjacent groups gathered at once (every group, when kept).
+    width = len(gathered) if not reshard_after_forward else prefetch + 1
+    window = max(sum(gathered[i : i + width]) for i in range(max(1, len(gathered) - width + 1)))
+    kept, extra = (
+        activations.by_group(groups, compute_bytes=compute_bytes)
+        if activations else ([0] * len(groups), [0] * len(groups))
+    )  # fmt: skip
+    peak = step_peak(
+        [
+            GroupBytes(g.name, f * compute_bytes, f * compute_bytes, f * reduce_bytes,
+                       s * grad_bytes, a, e)
+            for g, f, s, a, e in zip(groups, full, shard_sizes, kept, extra, strict=True)
+        ],
+        prefetch=prefetch,
+        reshard_after_forward=reshard_after_forward,
+        accumulating=micro_batches > 1,
+    )  # fmt: skip
+    return peak, window
+
+
 _PLANS: OrderedDict[tuple[int, int, int, int], Layout] = OrderedDict()
 _MAX_PLANS = 256
 # Each plan's optimizer state per rank, by (plan, optimizer, bytes): the plan kept beside it.
@@ -402,9 +435,14 @@ def estimate(
       reshard_after_forward every group stays gathered from forward to backward: sum_g);
       reduce-scatter input max_g W_g S_g b_p, plus W_g S_g b_g when the reduce dtype differs
       (the gradients in the parameters' dtype, and their cast for the collective);
-      activations (`activations`, `_activations.py`);
-      `memory_bytes` sums these with the sharded state. W_g is W, or W / e for a group of
-      experts under expert parallelism e.
+      activations (`activations`, `_activations.py`). These are each transient's largest;
+      they do not coincide. W_g is W, or W / e for a group of experts under expert
+      parallelism e;
+    - the peak (`memory_bytes`): parameters + optimizer state + `peak`, the largest live set
+      of the step's phases (`_peak.py`): in the backward of group g, the sharded gradients
+      reduced so far, the activations of the groups before g and g's own (or its unsharded
+      gradients, W_g S_g b_c, where larger), the gathered window and the reduce-scatter
+      input of the group before, in flight; or the update, with every sharded gradient.
     Per step, sent by each rank (what ragged_placement's CommCounter counts; received alike):
     - all-gather: 2 per group (forward, and backward after resharding): 2 sum_g (W_g-1) S_g b_c
       (1 per group without reshard_after_forward);
@@ -492,13 +530,9 @@ def estimate(
         param_bytes, allow_idle_ranks,
     )  # fmt: skip
     w, r = shard_size, replicate_size
-    total = sum(shard_sizes)
-    numel = sum(g.numel for g in original)
+    total, numel = sum(shard_sizes), sum(g.numel for g in original)
     full = [span.width * s for span, s in zip(spans, shard_sizes, strict=True)]  # gathered
     prefetch = check_count("prefetch", prefetch, 1)
-    # At most prefetch + 1 adjacent groups gathered at once (every group, when kept).
-    window = len(full) if not reshard_after_forward else prefetch + 1
-    pairs = [sum(full[i : i + window]) for i in range(max(1, len(full) - window + 1))]
     gathers_per_group = 2 if reshard_after_forward else 1
     # Every EP rank pads its own experts' layout: e copies of it cover the model's experts.
     covered = sum(f * (ep if expert else 1) for f, expert in zip(full, is_expert, strict=True))
@@ -519,6 +553,9 @@ def estimate(
     cast_bytes = grad_bytes if grad_bytes != param_bytes else 0  # the reduce dtype's copy
     # A group's copies (HSDP replicas, a dense sub-mesh's copies) all-reduce its gradients.
     copied = [s for span, s in zip(spans, shard_sizes, strict=True) if r * w > span.block]
+    element_bytes = (gathered, param_bytes + cast_bytes, param_bytes)
+    peak, window = _peak(original, full, shard_sizes, element_bytes, activations, prefetch,
+                         reshard_after_forward, micro)  # fmt: skip
     return Estimate(
         shard_size=w,
         replicate_size=r,
@@ -527,7 +564,7 @@ def estimate(
         optimizer_bytes=max(optimizer_by_rank),
         optimizer_bytes_by_rank=tuple(optimizer_by_rank),
         unsharded_bytes=max(full) * gathered,
-        prefetch_unsharded_bytes=max(pairs) * gathered,
+        prefetch_unsharded_bytes=window,
         reduce_scatter_input_bytes=max(full) * (param_bytes + cast_bytes),
         all_gather_bytes=micro * gathers_per_group * sum(sent) * gathered,
         reduce_scatter_bytes=micro * sum(sent) * grad_bytes,
@@ -536,6 +573,7 @@ def estimate(
         padding_bytes=(covered - numel) * param_bytes,
         numel=numel,
         comm_time_s=micro * (gathers_per_group * sum(gathers) + sum(reduces)) + a2a_time,
+        peak=peak,
         expert_parallel=ep,
         all_to_all_bytes=a2a_bytes,
         activation_bytes=activations.bytes_for(original, compute_bytes=gathered)
