@@ -63,7 +63,9 @@ def test_estimate_states_units_per_rank(capsys) -> None:
     assert main(["estimate", "--preset", "llama3-8b", "--shard-size", "64"]) == 0
     out = capsys.readouterr().out
     assert "all-gather sent per rank per step" in out
-    assert " GB" not in out, "GiB everywhere"
+    # Sizes in GiB everywhere; GB only in the links' rates (GB/s, as their flags take them).
+    assert all(rest.startswith("/s") for rest in out.split(" GB")[1:]), "GiB everywhere"
+    assert "400 GB/s per rank inside it" in out
 
 
 @pytest.mark.parametrize(

@@ -34,7 +34,7 @@ from shard_planner._estimate import estimate
 from shard_planner._estimate_checks import BlockTooLargeError, check_blocks_fit
 from shard_planner._granularity import has_experts, num_experts
 from shard_planner._layout import Layout, dump_plan, load_plan
-from shard_planner._links import load_links
+from shard_planner._links import load_links, topology_line
 from shard_planner._plan import plan_layout
 from shard_planner._presets import (
     GroupSpec,
@@ -205,6 +205,11 @@ def _config_int(args: argparse.Namespace, key: str) -> int | None:
 
 
 def _cost_options(args: argparse.Namespace) -> dict[str, Any]:
+    if args.links and args.rails != 1:
+        raise UsageError(
+            f"--rails {args.rails} with --links: a fitted bandwidth is what the collectives "
+            f"achieved, NICs included; --rails multiplies the --inter-node-gbps given by hand"
+        )
     links = load_links(args.links).options() if args.links else {}
     compute = None
     if args.tokens_per_rank:
@@ -260,6 +265,7 @@ def _cmd_estimate(args: argparse.Namespace) -> None:
         **_cost_options(args),
     )
     print(f"{model.name}: {model.numel:,} parameters, {len(model.groups)} groups")
+    print(topology_line(args.ranks_per_node, _cost_options(args), args.links))
     print(format_estimate(est))
     if args.json:
         import json
@@ -288,6 +294,7 @@ def _cmd_advise(args: argparse.Namespace) -> None:
         f"per node), {args.memory_gb:g} GiB per rank, {args.block_rows} rows per block, "
         f"optimizer {args.optimizer}"
     )
+    print(topology_line(args.ranks_per_node, _cost_options(args), args.links))
     try:
         candidates = _advise(model, args, memory, **search)
         if not candidates:  # nothing fits: every split, for the table and the levers

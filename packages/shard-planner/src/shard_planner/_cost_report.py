@@ -47,6 +47,8 @@ def format_estimate(est: Estimate) -> str:
         ("all-reduce sent per rank per step", f"{est.all_reduce_bytes / _GIB:.3f} GiB"),
         ("padding", f"{est.padding_elements:,} elements ({100 * est.padding_ratio:.3f}%)"),
         ("predicted communication per step", f"{est.comm_time_s:.3f} s (no overlap)"),
+        ("one all-gather, slowest group", f"{est.slowest_collectives_s[0] * 1e3:.1f} ms"),
+        ("one reduce, slowest group", f"{est.slowest_collectives_s[1] * 1e3:.1f} ms"),
     ]
     if est.step_time_s:
         rows += [

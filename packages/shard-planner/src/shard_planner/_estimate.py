@@ -41,6 +41,8 @@ class Estimate:
 
     Byte counts are per rank; `optimizer_bytes` is the most loaded rank's and
     `optimizer_bytes_by_rank` lists every shard rank's (replicas hold the same).
+    `slowest_collectives_s`: one all-gather of the slowest group, and one reduce of the
+    slowest (its reduce-scatter, and its all-reduce where it has copies).
     """
 
     shard_size: int
@@ -74,6 +76,7 @@ class Estimate:
     dense_shard_size: int | None = None
     micro_batches: int = 1
     checkpoint_ratio: tuple[int, int] = (1, 1)
+    slowest_collectives_s: tuple[float, float] = (0.0, 0.0)
 
     def __post_init__(self) -> None:
         for name in ("shard_size", "replicate_size"):
@@ -551,7 +554,6 @@ def estimate(
                          gathers, reduces, regather, prefetch, micro)  # fmt: skip
     sent = [(span.width - 1) * s for span, s in zip(spans, shard_sizes, strict=True)]
     cast_bytes = grad_bytes if grad_bytes != param_bytes else 0  # the reduce dtype's copy
-    # A group's copies (HSDP replicas, a dense sub-mesh's copies) all-reduce its gradients.
     copied = [s for span, s in zip(spans, shard_sizes, strict=True) if r * w > span.block]
     element_bytes = (gathered, param_bytes + cast_bytes, param_bytes)
     peak, window = _peak(original, full, shard_sizes, element_bytes, activations, prefetch,
@@ -584,5 +586,6 @@ def estimate(
         prefetch=prefetch,
         dense_shard_size=dense_shard_size,
         micro_batches=micro,
+        slowest_collectives_s=(max(gathers, default=0.0), max(reduces, default=0.0)),
         **timing,
     )  # fmt: skip

@@ -23,6 +23,7 @@ import os
 import pathlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from importlib import resources
 from typing import Any
 
 _COLLECTIVES = ("all_gather", "reduce_scatter")
@@ -71,6 +72,9 @@ def fit_links(
     `seconds = latency + (W - 1) * hop + (W - 1) * bytes / bandwidth` over the measurements of
     that kind; a kind without measurements (one machine has no "between nodes") keeps
     `default`'s figures. Latencies fitted below zero are clamped to zero (refitting the rest).
+    Measurements at a single world size cannot tell the latencies from the bandwidth: only the
+    bandwidth is fitted then, beside `default`'s latencies (the latencies come from the
+    intra-node fit when that one has two world sizes).
 
     Args:
         measurements: Records with the keys of the module docstring.
@@ -100,13 +104,17 @@ def fit_links(
         if not mine:
             continue
         points = {(w, b) for w, b, _, _ in mine}
-        if len(points) < 3 or len({w for w, _ in points}) < 2:
+        if len({w for w, _ in points}) == 1:  # only the bandwidth can be told apart
+            base, step = latency * 1e-6, hop * 1e-6
+            inverse = _bandwidth_alone(mine, base, step)
+        elif len(points) < 3:
             raise ValueError(
                 f"the {kind}-node measurements cannot separate latency, per-step latency and "
-                f"bandwidth: measure at least 2 world sizes and 3 (world, bytes) points, got "
-                f"{sorted(points)}"
+                f"bandwidth: measure 3 (world, bytes) points over 2 world sizes (or one world "
+                f"size, for the bandwidth alone), got {sorted(points)}"
             )
-        base, step, inverse = _least_squares(mine)
+        else:
+            base, step, inverse = _least_squares(mine)
         most_bytes = max((w - 1) * b for w, b, _, _ in mine)
         if inverse * most_bytes <= 1e-6 * max(s for _, _, s, _ in mine):  # no byte term
             raise ValueError(
@@ -116,6 +124,13 @@ def fit_links(
         if not inter:  # the latencies come from inside a node when that was measured
             latency, hop = base * 1e6, step * 1e6
     return Links(figures["intra"], figures["inter"], latency, hop, ranks_per_node)
+
+
+def _bandwidth_alone(rows: list[tuple[int, int, float, bool]], base: float, step: float) -> float:
+    """Seconds per byte fitting `seconds - base - (W - 1) step` by least squares (through 0)."""
+    sent = [(w - 1) * b for w, b, _, _ in rows]
+    left = [s - base - (w - 1) * step for w, _, s, _ in rows]
+    return max(0.0, sum(x * y for x, y in zip(sent, left, strict=True)) / sum(x * x for x in sent))
 
 
 def _least_squares(rows: list[tuple[int, int, float, bool]]) -> tuple[float, float, float]:
@@ -177,11 +192,30 @@ def _check_record(index: int, record: object) -> tuple[int, int, float, bool]:
     return world, int(size), float(seconds), record["inter_node"]
 
 
+def link_profile_names() -> tuple[str, ...]:
+    """Calibrations shipped with the package, by name (`load_links` takes them).
+
+    Example:
+        >>> link_profile_names()
+        ('h800-fsdp2',)
+    """
+    folder = resources.files("shard_planner") / "links"
+    return tuple(sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".json")))
+
+
 def load_links(path: str | os.PathLike[str], *, default: Links | None = None) -> Links:
     """Reads a calibration file and fits its link figures (`fit_links`).
 
+    Example:
+        >>> links = load_links("h800-fsdp2")  # torch FSDP2 on 64 H800, as published
+        >>> round(links.inter_node_gbps, 1), links.ranks_per_node
+        (135.6, 8)
+
     Args:
-        path: A JSON file as in the module docstring (`tools/calibrate_links.py` writes one).
+        path: A JSON file as in the module docstring (`tools/calibrate_links.py` writes one),
+            or the name of a shipped calibration (`link_profile_names`): "h800-fsdp2", what
+            torch FSDP2's collectives achieved while training on 64 H800 GPUs (the
+            veScale-FSDP paper's Table 1; its "source" says how it was measured).
         default: Figures for a link kind the file did not measure; by default `estimate`'s
             (400 GB/s in a node, 50 GB/s between nodes, 20 us, 2 us per step).
 
@@ -192,6 +226,8 @@ def load_links(path: str | os.PathLike[str], *, default: Links | None = None) ->
         ValueError: The file cannot be read, is not JSON, or does not hold measurements that
             determine the figures (the message says which).
     """
+    if str(path) in link_profile_names() and not pathlib.Path(path).exists():
+        path = str(resources.files("shard_planner") / "links" / f"{path}.json")
     try:
         doc = json.loads(pathlib.Path(path).read_text())
     except OSError as exc:
@@ -209,3 +245,28 @@ def load_links(path: str | os.PathLike[str], *, default: Links | None = None) ->
         raise ValueError(f"{path}: ranks_per_node must be an int >= 1, got {ranks_per_node!r}")
     fallback = default or Links(400.0, 50.0, 20.0, 2.0, ranks_per_node)
     return fit_links(doc["measurements"], ranks_per_node=ranks_per_node, default=fallback)
+
+
+def topology_line(ranks_per_node: int, options: Mapping[str, Any], fitted: str | None) -> str:
+    """The links a plan is priced on, in words (what `estimate` / `advise` print first).
+
+    Example:
+        >>> print(topology_line(8, {"intra_node_gbps": 400.0, "inter_node_gbps": 50.0,
+        ...                         "latency_us": 20.0, "hop_latency_us": 2.0, "rails": 8}, None))
+        links: 8 ranks per node, 400 GB/s per rank inside it; between nodes 50 GB/s per NIC, a ring over up to 8 NICs per node (rails 8); 20 us per collective + 2 us per ring step
+    """  # noqa: E501
+    rails = options.get("rails", 1)
+    between = (
+        f"{options['inter_node_gbps']:.4g} GB/s per rank as fitted (NICs included)"
+        if fitted
+        else f"{options['inter_node_gbps']:.4g} GB/s per NIC, a ring over up to {rails} NICs per "
+        f"node (rails {rails})" if rails > 1
+        else f"{options['inter_node_gbps']:.4g} GB/s per rank, each ring through one NIC per "
+        f"node (rails 1)"
+    )  # fmt: skip
+    source = f" (calibrated: {fitted})" if fitted else ""
+    return (
+        f"links{source}: {ranks_per_node} ranks per node, {options['intra_node_gbps']:.4g} GB/s "
+        f"per rank inside it; between nodes {between}; {options['latency_us']:.4g} us per "
+        f"collective + {options['hop_latency_us']:.4g} us per ring step"
+    )
