@@ -285,8 +285,10 @@ def test_advise_says_when_nothing_fits(capsys) -> None:
     assert "next lever: bf16 gathers (--compute-bytes 2): smallest peak 117.0 GiB" in out
     lever = "next lever: every expert granularity (no --expert-groups): smallest peak 30.9 GiB"
     assert f"{lever} (1 x 1024), fits" in out and "does not fit" in out
-    # More ranks: twice as many hold the sharded state beside the whole blocks' transients.
-    assert "next lever: more ranks: 2048 fit (8 x 256, 60.1 GiB per rank)" in out
+    # More ranks: a whole MoE layer gathered in fp32 (42.9 GiB), the next one prefetched, and
+    # its unsharded gradients beside the previous layer's: no shard count holds them.
+    more = "next lever: more ranks do not help: the gathered groups, unsharded gradients and"
+    assert f"{more} activations alone take 171.8 GiB per rank at any shard size" in out
 
 
 def test_advise_plot_needs_matplotlib_or_draws(tmp_path, capsys) -> None:

@@ -7,6 +7,7 @@ line on stderr, never a traceback.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import pathlib
 import sys
@@ -64,11 +65,16 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+# A command reads its preset once (the 2.4T one takes a second to parse): the model and
+# its recorded config come from the same load.
+_preset = functools.lru_cache(maxsize=2)(load_preset)
+
+
 def _load_model(args: argparse.Namespace) -> ModelPreset:
     if args.preset and args.file:
         raise UsageError(f"give a group file or --preset, not both ({args.file}, {args.preset})")
     if args.preset:
-        return load_preset(args.preset)
+        return _preset(args.preset)
     if not args.file:
         raise UsageError("give a group file or --preset NAME")
     return load_group_file(args.file)
@@ -200,7 +206,7 @@ def _config_int(args: argparse.Namespace, key: str) -> int | None:
     """An integer from the preset's recorded config (e.g. hidden_size), if it has one."""
     if not getattr(args, "preset", None):
         return None
-    value = load_preset(args.preset).config.get(key)
+    value = _preset(args.preset).config.get(key)
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
@@ -297,8 +303,8 @@ def _cmd_advise(args: argparse.Namespace) -> None:
     print(topology_line(args.ranks_per_node, _cost_options(args), args.links))
     try:
         candidates = _advise(model, args, memory, **search)
-        if not candidates:  # nothing fits: every split, for the table and the levers
-            candidates = _advise(model, args, memory, include_all=True, **search)
+        if not candidates:  # nothing fits: every split's leanest settings, table and levers
+            candidates = _advise(model, args, memory, include_all=True, **{**search, **_LEANEST})
     except BlockTooLargeError as err:  # no shard size can hold every group's blocks
         print(f"no (replicate, shard) split of {args.ranks} ranks shards every group: {err}")
         for line in _levers(model, args, memory):
@@ -348,10 +354,19 @@ def _advise(
     )
 
 
+# Where only the least memory is asked for (nothing fits): deeper prefetch and groups kept
+# gathered from forward to backward only add to it.
+_LEANEST: dict[str, Any] = {"prefetch": [1], "reshard_after_forward": [True]}
+
+
 def _levers(
     model: ModelPreset, args: argparse.Namespace, memory: int, least: Candidate | None = None
 ) -> list[str]:
-    """When nothing fits: what each single change of the options would give (its best peak)."""
+    """When nothing fits: what each single change of the options would give (its best peak).
+
+    A change is tried from the smallest peak's plan (its expert groups and EP degree) over
+    every split of the ranks.
+    """
     levers: list[tuple[str, dict[str, Any]]] = []
     if (args.compute_bytes or args.param_bytes) > 2:
         levers.append(("bf16 gathers (--compute-bytes 2)", {"compute_bytes": 2}))
@@ -369,21 +384,22 @@ def _levers(
         levers.append(("one-row blocks (--block-rows 1)", {"block_rows": 1}))
     lines = []
     for what, change in levers:
-        expert_groups = None if not change else args.expert_groups
+        kept: dict[str, Any] = {"expert_groups": None if not change else args.expert_groups}
+        if change and least is not None:  # the one change, from the smallest peak's plan
+            kept = {"expert_groups": [least.expert_groups],
+                    "expert_parallel": [least.estimate.expert_parallel]}  # fmt: skip
         try:
-            tried = _advise(
-                model, args, memory, expert_groups=expert_groups, include_all=True, **change
-            )
+            tried = _advise(model, args, memory, include_all=True, **kept, **_LEANEST, **change)
         except BlockTooLargeError:
             tried = []
         if not tried:
             lines.append(f"next lever: {what}: no split shards every group either")
             continue
-        least = min(tried, key=lambda c: c.memory_bytes)
-        verdict = "fits" if least.fits else "does not fit"
+        smallest = min(tried, key=lambda c: c.memory_bytes)
+        verdict = "fits" if smallest.fits else "does not fit"
         lines.append(
-            f"next lever: {what}: smallest peak {least.memory_bytes / 2**30:.1f} GiB "
-            f"({least.replicate_size} x {least.shard_size}), {verdict}"
+            f"next lever: {what}: smallest peak {smallest.memory_bytes / 2**30:.1f} GiB "
+            f"({smallest.replicate_size} x {smallest.shard_size}), {verdict}"
         )
     lines.append(_more_ranks(model, args, memory, least))
     if num_experts(model.groups) > 1 and args.tokens_per_rank is None:
@@ -399,19 +415,19 @@ def _more_ranks(
 ) -> str:
     """The rank count at which the smallest-peak split would fit, checked by one `advise`.
 
-    More shards divide the sharded state (parameters, gradients, optimizer state) but not
-    the transients (gathered groups, reduce-scatter input, activations): from the split
-    with the smallest peak, the shard count whose state fits beside them, rounded up to a
-    power-of-two multiple of the ranks asked for.
+    More shards divide the sharded state (parameters, optimizer state, the gradients held
+    at the peak) but not the transients (gathered groups, unsharded gradients,
+    activations): from the split with the smallest peak, the shard count whose state fits
+    beside them, rounded up to a power-of-two multiple of the ranks asked for.
     """
     if least is None:
         return "next lever: more ranks: no split of these ranks could be estimated"
     est = least.estimate
-    state = est.param_bytes + est.grad_bytes + est.optimizer_bytes
+    state = est.param_bytes + est.optimizer_bytes + est.peak.grad_bytes
     transient = least.memory_bytes - state
     if transient >= memory:
         return (
-            f"next lever: more ranks do not help: the gathered groups, reduce-scatter input "
+            f"next lever: more ranks do not help: the gathered groups, unsharded gradients "
             f"and activations alone take {transient / 2**30:.1f} GiB per rank at any shard size"
         )
     factor = 1  # the state per rank halves with each doubling of the shard count

@@ -355,7 +355,7 @@ def _peak(
 
 
 _PLANS: OrderedDict[tuple[int, int, int, int], Layout] = OrderedDict()
-_MAX_PLANS = 256
+_MAX_PLANS = 1024
 # Each plan's optimizer state per rank, by (plan, optimizer, bytes): the plan kept beside it.
 _STATE: OrderedDict[tuple[int, str, int], tuple[Layout, list[int]]] = OrderedDict()
 _LAYOUTS: OrderedDict[tuple[object, ...], tuple[list[int], list[int]]] = OrderedDict()

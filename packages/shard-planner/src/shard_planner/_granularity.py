@@ -12,6 +12,7 @@ only `k = 1`, the experts module alone).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import keyword
 import re
@@ -105,15 +106,18 @@ def dense_blocks(groups: Sequence[GroupSpec]) -> list[bool]:
     return out
 
 
-def _split(group: GroupSpec, num_groups: int) -> list[GroupSpec] | None:
+# The same split objects for the same group: every cache keyed by groups (layouts,
+# activations, FLOPs) then finds them by identity, not by comparing thousands of entries.
+@functools.lru_cache(maxsize=8192)
+def _split(group: GroupSpec, num_groups: int) -> tuple[GroupSpec, ...] | None:
     rest, per_expert, fused, owner = classify(group)
     if not per_expert and not fused:
-        return [group]
+        return (group,)
     head = [_known(GroupSpec(group.name, rest), (rest, {}, (), ""))] if rest else []
     if fused:
         if num_groups > 1:
             return None
-        return [*head, _known(GroupSpec(owner, fused), ((), {}, fused, owner))]
+        return (*head, _known(GroupSpec(owner, fused), ((), {}, fused, owner)))
     indices = sorted(per_expert)
     if num_groups > len(indices):
         return None
@@ -124,7 +128,7 @@ def _split(group: GroupSpec, num_groups: int) -> list[GroupSpec] | None:
         entries = tuple(e for experts in mine.values() for e in experts)
         chunk = GroupSpec(f"{owner}[{indices[lo]}:{indices[hi - 1] + 1}]", entries)
         chunks.append(_known(chunk, ((), mine, (), owner)))
-    return [*head, *chunks]
+    return (*head, *chunks)
 
 
 Classified = tuple[tuple[_Entry, ...], dict[int, list[_Entry]], tuple[_Entry, ...], str]

@@ -60,6 +60,19 @@ class GroupSpec:
         # entries to hash.
         return self._hash
 
+    def __eq__(self, other: object) -> bool:
+        # The caches look groups up by equal copies (a block's expert groups are rebuilt at
+        # each split): the hashes tell most apart, and copies share their entries.
+        if self is other:
+            return True
+        if not isinstance(other, GroupSpec):
+            return NotImplemented
+        return (
+            self._hash == other._hash
+            and self.name == other.name
+            and (self.entries is other.entries or self.entries == other.entries)
+        )
+
     @functools.cached_property
     def _hash(self) -> int:
         return hash((self.name, self.entries))
