@@ -19,6 +19,8 @@ Prints:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import random
 import statistics
 import time
@@ -32,6 +34,7 @@ from shard_planner import (
     plan_layout,
     preset_names,
 )
+from shard_planner._cli import main as cli_main
 from shard_planner._report import compare_case, format_table
 
 WORLD_SIZES = (8, 64, 256, 1024, 3072, 8192, 10240)
@@ -124,6 +127,15 @@ def advise_speed(repeats: int) -> None:
             repeats,
         )
         print(f"{name} at {ranks} ranks: median {med:.2f}  max {worst:.2f}  (target < {target})")
+    # Nothing fits in 20 GiB: the command line's whole answer (the table of every split, each
+    # lever's search and the more-ranks check), EP priced as above.
+    argv = ["advise", "--preset", "synthetic-moe-2.4t", "--ranks", "10240", "--memory-gb", "20",
+            "--compute-bytes", "2", "--tokens-per-rank", "16384", "--top-k", "8"]  # fmt: skip
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        med, worst = _timed(lambda: cli_main(argv), repeats)
+    assert "no split fits" in out.getvalue()
+    print(f"synthetic-moe-2.4t at 10240 ranks, nothing fits (CLI): median {med:.2f}  "
+          f"max {worst:.2f}  (target < 10)")  # fmt: skip
 
 
 def quality(world_sizes: tuple[int, ...]) -> None:

@@ -120,6 +120,13 @@ class ActivationModel:
             >>> ActivationModel(seq_len=8, checkpointing=True).by_group([layer], compute_bytes=2)
             ([1024], [5120])
         """
+        kept, extra = _by_group(self, tuple(groups), compute_bytes)
+        return list(kept), list(extra)
+
+    def _by_group(
+        self, groups: tuple[GroupSpec, ...], compute_bytes: int
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """`by_group`'s count (kept by `_by_group`, module level)."""
         share = routed_share(groups, self.top_k)
         ratio = self.checkpoint_ratio if self.checkpointing else None
         per_token = [_kept_per_token(g, share) * self.scale * compute_bytes for g in groups]
@@ -144,7 +151,11 @@ class ActivationModel:
         if groups:
             loss = self.tokens * vocab_size(groups) * self.loss_bytes_per_logit
             extra_out[-1] = max(extra_out[-1], loss)
-        return kept_out, extra_out
+        return tuple(kept_out), tuple(extra_out)
+
+
+# advise asks at every split for the same groups and model: counted once.
+_by_group = functools.lru_cache(maxsize=256)(ActivationModel._by_group)
 
 
 def check_ratio(ratio: object) -> tuple[int, int]:
@@ -189,10 +200,14 @@ def vocab_size(groups: Sequence[GroupSpec]) -> int:
         >>> vocab_size([GroupSpec.from_shapes("embed", {"tok_embed.weight": (32000, 64)})])
         32000
     """
+    return max((_vocab_of(g) for g in groups), default=0)
+
+
+@functools.lru_cache(maxsize=65536)  # a model's groups, asked at every split
+def _vocab_of(group: GroupSpec) -> int:
     sizes = [
         e.shape[0]
-        for g in groups
-        for e in g.entries
+        for e in group.entries
         if "embed" in e.name and e.shape is not None and len(e.shape) == 2
     ]
     return max(sizes, default=0)

@@ -141,7 +141,6 @@ _QUERY = re.compile(r"(^|\.)(q_proj|wq|query|q_b_proj)\.weight$")
 _FUSED_QKV = re.compile(r"(^|\.)(wqkv|qkv_proj|qkv|query_key_value)\.weight$")
 
 
-@functools.lru_cache(maxsize=4096)
 def attention_width(group: GroupSpec) -> int:
     """The query projection's output width d (heads x head dim) of a group's attention.
 
@@ -154,6 +153,18 @@ def attention_width(group: GroupSpec) -> int:
         ...     "layers.0.self_attn.k_proj.weight": (1024, 4096)}))
         4096
     """
+    # By layout: names without their indices still say which tensor is the query, and a
+    # model's blocks share a few layouts (a search meets thousands of expert groups).
+    known = _ATTENTION.get(group.layout_id)
+    if known is None:
+        known = _ATTENTION[group.layout_id] = _attention_width(group)
+    return known
+
+
+_ATTENTION: dict[int, int] = {}
+
+
+def _attention_width(group: GroupSpec) -> int:
     width = 0
     for entry in group.entries:
         if entry.shape is None or len(entry.shape) != 2:

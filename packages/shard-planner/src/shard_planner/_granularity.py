@@ -261,6 +261,7 @@ def _chunk_calls(chunks: list[tuple[str, int, int]], root: str, mesh: str) -> li
     return [f"fully_shard([{owner}[j] for j in range({lo}, {hi})]{mesh})" for _, lo, hi in chunks]
 
 
+@functools.lru_cache(maxsize=65536)  # every estimate asks for every group's
 def block_index(name: str) -> int | None:
     """The block index in a group name (`model.layers.7`, `layers.7.mlp.experts[0:4]` -> 7)."""
     found = re.findall(r"\.(\d+)(?=\.|$)", name)
