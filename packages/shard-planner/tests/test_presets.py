@@ -1,6 +1,6 @@
 import pytest
 
-from shard_planner import fsdp2_padding, load_preset, plan_layout, preset_names
+from shard_planner import GroupSpec, fsdp2_padding, load_preset, plan_layout, preset_names
 from shard_planner._presets import parse_model
 
 # Parameter counts from the models' published sizes (DeepSeek-V3 without its MTP module).
@@ -149,3 +149,13 @@ def test_layout_labels_keep_indices() -> None:
     assert common == "model.layers.3.mlp.experts."
     assert [_label(n, common) for n in names] == ["0.w1", "12.w1"]
     assert _common_prefix(["a.w", "b.w"]) == "" and _common_prefix(["x.y"]) == ""
+
+
+def test_groups_compare_by_name_and_tensors_whatever_their_copies() -> None:
+    shapes = {"l.w": (4, 8), "l.b": (4,)}
+    group = GroupSpec.from_shapes("l", shapes)
+    copy = GroupSpec("l", tuple(list(group.entries)))  # equal entries, another tuple
+    assert copy == group and hash(copy) == hash(group) and copy.entries is not group.entries
+    assert GroupSpec("m", group.entries) != group
+    assert GroupSpec.from_shapes("l", {"l.w": (4, 9), "l.b": (4,)}) != group
+    assert group != ("l", group.entries) and {group: 1}[copy] == 1
