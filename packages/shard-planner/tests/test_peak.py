@@ -104,3 +104,11 @@ def _key(c: Candidate) -> tuple[object, ...]:
     est = c.estimate
     return (c.replicate_size, c.shard_size, est.checkpoint_ratio, est.reshard_after_forward,
             est.prefetch, est.dense_shard_size)  # fmt: skip
+
+
+def test_activations_by_group_refuse_a_bad_element_size() -> None:
+    groups = load_preset("llama3-8b").groups[:2]
+    with pytest.raises(ValueError, match="compute_bytes"):
+        ActivationModel(seq_len=8).by_group(groups, compute_bytes=0)
+    kept, extra = ActivationModel(seq_len=8).by_group(groups, compute_bytes=2)
+    assert len(kept) == len(extra) == 2 and kept[1] > 0

@@ -22,7 +22,7 @@ from shard_planner._estimate import Estimate, estimate
 from shard_planner._estimate_checks import OPTIMIZERS
 from shard_planner._granularity import fully_shard_calls, split_experts
 from shard_planner._layout import Layout, LayoutError, dump_plan, load_plan
-from shard_planner._links import Links, fit_links, load_links
+from shard_planner._links import Links, fit_links, link_profile_names, load_links
 from shard_planner._peak import Peak
 from shard_planner._plan import ORDERS, plan_layout
 from shard_planner._presets import (
@@ -63,6 +63,7 @@ __all__ = [
     "fsdp2_padding",
     "fsdp2_whole_block_padding",
     "fully_shard_calls",
+    "link_profile_names",
     "load_group_file",
     "load_links",
     "load_plan",

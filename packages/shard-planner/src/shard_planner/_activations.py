@@ -120,42 +120,41 @@ class ActivationModel:
             >>> ActivationModel(seq_len=8, checkpointing=True).by_group([layer], compute_bytes=2)
             ([1024], [5120])
         """
+        check_count("compute_bytes", compute_bytes, 1)
         kept, extra = _by_group(self, tuple(groups), compute_bytes)
         return list(kept), list(extra)
 
-    def _by_group(
-        self, groups: tuple[GroupSpec, ...], compute_bytes: int
-    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """`by_group`'s count (kept by `_by_group`, module level)."""
-        share = routed_share(groups, self.top_k)
-        ratio = self.checkpoint_ratio if self.checkpointing else None
-        per_token = [_kept_per_token(g, share) * self.scale * compute_bytes for g in groups]
-        index = [block_index(g.name) for g in groups]
-        checkpointed = [is_checkpointed(i, ratio) for i in index]
-        block_total: dict[int | None, float] = {}
-        block_input: dict[int | None, int] = {}
-        for group, i, kept, again in zip(groups, index, per_token, checkpointed, strict=True):
-            if again:
-                block_total[i] = block_total.get(i, 0.0) + kept
-                block_input[i] = max(block_input.get(i, 0), _input_width(group))
-        kept_out: list[int] = []
-        extra_out: list[int] = []
-        for i, kept, again in zip(index, per_token, checkpointed, strict=True):
-            if again:  # the input once, on the block's first group
-                width = block_input.pop(i, 0)
-                kept_out.append(round(self.tokens * width * compute_bytes))
-                extra_out.append(round(self.tokens * block_total[i]))
-            else:
-                kept_out.append(round(self.tokens * kept))
-                extra_out.append(0)
-        if groups:
-            loss = self.tokens * vocab_size(groups) * self.loss_bytes_per_logit
-            extra_out[-1] = max(extra_out[-1], loss)
-        return tuple(kept_out), tuple(extra_out)
 
-
-# advise asks at every split for the same groups and model: counted once.
-_by_group = functools.lru_cache(maxsize=256)(ActivationModel._by_group)
+@functools.lru_cache(maxsize=256)  # advise asks at every split for the same groups and model
+def _by_group(
+    model: ActivationModel, groups: tuple[GroupSpec, ...], compute_bytes: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """`ActivationModel.by_group`'s count."""
+    share = routed_share(groups, model.top_k)
+    ratio = model.checkpoint_ratio if model.checkpointing else None
+    per_token = [_kept_per_token(g, share) * model.scale * compute_bytes for g in groups]
+    index = [block_index(g.name) for g in groups]
+    checkpointed = [is_checkpointed(i, ratio) for i in index]
+    block_total: dict[int | None, float] = {}
+    block_input: dict[int | None, int] = {}
+    for group, i, kept, again in zip(groups, index, per_token, checkpointed, strict=True):
+        if again:
+            block_total[i] = block_total.get(i, 0.0) + kept
+            block_input[i] = max(block_input.get(i, 0), _input_width(group))
+    kept_out: list[int] = []
+    extra_out: list[int] = []
+    for i, kept, again in zip(index, per_token, checkpointed, strict=True):
+        if again:  # the input once, on the block's first group
+            width = block_input.pop(i, 0)
+            kept_out.append(round(model.tokens * width * compute_bytes))
+            extra_out.append(round(model.tokens * block_total[i]))
+        else:
+            kept_out.append(round(model.tokens * kept))
+            extra_out.append(0)
+    if groups:
+        loss = model.tokens * vocab_size(groups) * model.loss_bytes_per_logit
+        extra_out[-1] = max(extra_out[-1], loss)
+    return tuple(kept_out), tuple(extra_out)
 
 
 def check_ratio(ratio: object) -> tuple[int, int]:

@@ -261,6 +261,7 @@ def _cost_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def _cmd_estimate(args: argparse.Namespace) -> None:
     model = _load_model(args)
+    options = _cost_options(args)
     est = estimate(
         model.groups,
         shard_size=args.shard_size,
@@ -268,10 +269,10 @@ def _cmd_estimate(args: argparse.Namespace) -> None:
         ranks_per_node=args.ranks_per_node,
         reshard_after_forward=not args.keep_gathered,
         dense_shard_size=args.dense_shard_size,
-        **_cost_options(args),
+        **options,
     )
     print(f"{model.name}: {model.numel:,} parameters, {len(model.groups)} groups")
-    print(topology_line(args.ranks_per_node, _cost_options(args), args.links))
+    print(topology_line(args.ranks_per_node, options, args.links))
     print(format_estimate(est))
     if args.json:
         import json
